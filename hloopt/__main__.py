@@ -1,0 +1,3 @@
+from hloopt.cli import run
+
+run()
