@@ -1,0 +1,86 @@
+"""``hloopt devices [NAME] [--json]``: list the device profiles, or show one with its sources."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from hloopt.cli.params import device_options, profile_from_options, user_errors
+from hloopt.devices import DeviceProfile, list_profiles, load_profile
+from hloopt.units import format_bytes, format_rate, format_seconds
+
+
+def _gbps(x: float) -> str:
+    return f"{x / 1e9:.1f}"
+
+
+@click.command("devices")
+@click.argument("name", required=False, metavar="[NAME|FILE]")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (base units) instead of a table.")
+@device_options
+def devices(name: str | None, as_json: bool, device: str | None, device_file: str | None,
+            hbm: int | None, d2h: float | None, h2d: float | None) -> None:
+    """List device profiles, or show NAME (a built-in name, alias or profile file) with sources."""
+    with user_errors():
+        if name is None and (device or device_file):
+            name = device_file or device
+        if name is None:
+            if hbm is not None or d2h is not None or h2d is not None:
+                raise click.UsageError("--hbm/--d2h/--h2d need a device NAME")
+            profiles = [load_profile(n) for n in list_profiles()]
+            _show_list(profiles, as_json=as_json)
+        else:
+            profile = profile_from_options(device=None, device_file=None, default=name, hbm=hbm, d2h=d2h, h2d=h2d)
+            _show_one(profile, as_json=as_json)
+
+
+def _show_list(profiles: list[DeviceProfile], *, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in profiles], indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Device profiles (per chip; * = includes an assumption, see `hloopt devices NAME`)")
+    for col in ("name", "kind", "HBM GiB", "HBM GB/s", "bf16 TFLOP/s", "D2H GB/s", "H2D GB/s",
+                "duplex D2H/H2D GB/s", "DMA engines", "host mem"):
+        table.add_column(col, justify="left" if col in ("name", "kind") else "right")
+    for p in profiles:
+        star = "*" if any(p.is_assumption(k) for k in p.sources) else ""
+        table.add_row(
+            p.name + star, p.kind, f"{p.hbm_bytes / 2**30:.1f}", f"{p.hbm_bytes_per_s / 1e9:.0f}",
+            f"{p.flops_per_s('bf16') / 1e12:.0f}", _gbps(p.d2h_bytes_per_s), _gbps(p.h2d_bytes_per_s),
+            f"{_gbps(p.duplex_d2h_bytes_per_s)}/{_gbps(p.duplex_h2d_bytes_per_s)}", str(p.dma_engines),
+            format_bytes(p.host_memory_bytes),
+        )
+    Console(width=160).print(table)
+
+
+def _show_one(p: DeviceProfile, *, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(p.to_dict(), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    rows: list[tuple[str, str]] = [
+        ("hbm_bytes", format_bytes(p.hbm_bytes)),
+        ("hbm_bytes_per_s", format_rate(p.hbm_bytes_per_s)),
+        *[(f"peak_flops_per_s.{k}", f"{v / 1e12:g} TFLOP/s") for k, v in p.peak_flops_per_s.items()],
+        ("d2h_bytes_per_s", format_rate(p.d2h_bytes_per_s)),
+        ("h2d_bytes_per_s", format_rate(p.h2d_bytes_per_s)),
+        ("duplex_d2h_bytes_per_s", format_rate(p.duplex_d2h_bytes_per_s)),
+        ("duplex_h2d_bytes_per_s", format_rate(p.duplex_h2d_bytes_per_s)),
+        ("dma_engines", str(p.dma_engines)),
+        ("transfer_latency_s", format_seconds(p.transfer_latency_s)),
+        ("host_memory_bytes", format_bytes(p.host_memory_bytes)),
+        ("interconnect_bytes_per_s", format_rate(p.interconnect_bytes_per_s)),
+    ]
+    table = Table(title=f"{p.name} ({p.kind}): {p.description}", show_lines=True)
+    table.add_column("field")
+    table.add_column("value", justify="right")
+    table.add_column("source")
+    for k, v in rows:
+        table.add_row(k, v, p.sources.get(k, "(none)"))
+    Console(width=160).print(table)

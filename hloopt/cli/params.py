@@ -1,0 +1,128 @@
+"""Click parameter types for sizes, rates, budgets and percentages, and the shared device options.
+
+The types wrap :mod:`hloopt.units`; a bad value becomes a click usage error (exit status 2) whose
+message is the parser's one line. :func:`device_options` gives every command the same
+``--device/--device-file/--hbm/--d2h/--h2d`` flags, and :func:`profile_from_options` turns them
+into a :class:`~hloopt.devices.DeviceProfile`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import click
+
+from hloopt.devices import DeviceProfile, load_profile
+from hloopt.errors import UserError
+from hloopt.units import Budget, parse_budget, parse_bytes, parse_percent, parse_rate
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _UnitType(click.ParamType):
+    parse: Callable[[str], Any]
+    passthrough: tuple[type, ...] = ()
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if self.passthrough and isinstance(value, self.passthrough) and not isinstance(value, bool):
+            return value
+        try:
+            return type(self).parse(str(value))
+        except UserError as err:
+            self.fail(str(err), param, ctx)
+
+
+class SizeType(_UnitType):
+    """A size such as ``16GiB`` or ``512 MiB``; converts to whole bytes (int)."""
+
+    name = "size"
+    parse = staticmethod(parse_bytes)
+    passthrough = (int,)
+
+
+class RateType(_UnitType):
+    """A rate such as ``25GB/s``; converts to bytes per second (float)."""
+
+    name = "rate"
+    parse = staticmethod(parse_rate)
+    passthrough = (float,)
+
+
+class BudgetParamType(_UnitType):
+    """A budget: a size (``12GiB``) or a share of HBM (``75%``); converts to :class:`Budget`."""
+
+    name = "budget"
+    parse = staticmethod(parse_budget)
+    passthrough = (Budget,)
+
+
+class PercentType(_UnitType):
+    """A percentage such as ``3%``; converts to the fraction 0.03."""
+
+    name = "percent"
+    parse = staticmethod(parse_percent)
+
+
+Size = SizeType()
+Rate = RateType()
+BudgetType = BudgetParamType()
+Percent = PercentType()
+
+
+class CliUserError(click.ClickException):
+    """A :class:`UserError` surfaced through click: one line, exit status 2."""
+
+    exit_code = 2
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn UserError into a click error (exit 2) so commands behave the same under CliRunner."""
+    try:
+        yield
+    except UserError as err:
+        raise CliUserError(str(err)) from err
+
+
+def device_options(f: F) -> F:
+    """Add ``--device``, ``--device-file``, ``--hbm``, ``--d2h`` and ``--h2d`` to a command."""
+    options = [
+        click.option("--device", "device", metavar="NAME", default=None,
+                     help="Built-in device profile (see `hloopt devices`), e.g. tpu-v5e, h100."),
+        click.option("--device-file", "device_file", metavar="PATH", default=None,
+                     type=click.Path(dir_okay=False), help="Device profile TOML/JSON file (e.g. from `hloopt calibrate`)."),
+        click.option("--hbm", "hbm", type=Size, default=None, metavar="SIZE",
+                     help="Override HBM capacity, e.g. 16GiB."),
+        click.option("--d2h", "d2h", type=Rate, default=None, metavar="RATE",
+                     help="Override device-to-host rate, e.g. 25GB/s."),
+        click.option("--h2d", "h2d", type=Rate, default=None, metavar="RATE",
+                     help="Override host-to-device rate, e.g. 25GB/s."),
+    ]
+    for opt in reversed(options):
+        f = opt(f)
+    return f
+
+
+def profile_from_options(
+    *,
+    device: str | None,
+    device_file: str | None,
+    hbm: int | None = None,
+    d2h: float | None = None,
+    h2d: float | None = None,
+    default: str | None = None,
+) -> DeviceProfile:
+    """The profile named by ``--device`` or ``--device-file`` (or ``default``), with overrides applied.
+
+    Raises UserError when both or (without ``default``) neither of the two are given.
+    """
+    if device and device_file:
+        raise UserError("give either --device or --device-file, not both")
+    source = device_file or device or default
+    if source is None:
+        raise UserError("no device given: pass --device NAME (see `hloopt devices`) or --device-file PATH")
+    profile = load_profile(source)
+    return profile.with_overrides(hbm_bytes=hbm, d2h_bytes_per_s=d2h, h2d_bytes_per_s=h2d,
+                                  source="command-line override")
