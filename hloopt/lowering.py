@@ -1,0 +1,257 @@
+"""From a JAX training step to HLO text, and optionally to XLA's compiled HLO and memory figures.
+
+``lower(step_fn, *args, platform="tpu")`` traces the step once and lowers it for ``platform``
+(``jax.jit(f).trace(*args).lower(lowering_platforms=(platform,))``): the pre-optimization HLO with
+op metadata, which needs no accelerator. ``compile=`` additionally runs XLA: ``"cpu"`` on the host,
+``"tpu-v4"|"tpu-v5e"|"tpu-v5p"|"tpu-v6e"`` deviceless through libtpu on a TPU topology description
+(``jax.experimental.topologies.get_topology_desc``), giving the scheduled optimized HLO,
+``memory_analysis()`` and ``cost_analysis()``.
+
+Arguments may be arrays or ``jax.ShapeDtypeStruct`` pytrees. For a compile they are all turned into
+``ShapeDtypeStruct`` placed on the compile target's devices: unsharded leaves on its first device,
+leaves sharded over a (possibly abstract) mesh onto a concrete mesh of the same shape and axis
+names. So a step sharded over ``AbstractMesh((2, 4), ("data", "model"))`` lowers with no devices
+and compiles on the first 8 devices of a TPU topology, or on 8 CPU devices.
+
+Environment, set here only when this module is imported before jax (jax reads it at start-up):
+
+* ``XLA_FLAGS`` gains ``--xla_force_host_platform_device_count=8`` so CPU compiles of 8-way sharded
+  programs find 8 host devices;
+* ``JAX_PLATFORMS=cpu`` unless set: hloopt never runs programs, and a process that initialises the
+  TPU backend holds ``/tmp/libtpu_lockfile``. Deviceless TPU compiles work under ``cpu``.
+
+Checkpoint policies are baked into a step function when it is traced, so ``policy=`` cannot be
+applied to an arbitrary ``step_fn``: pass a :class:`hloopt.targets.Target` (what TARGET strings
+resolve to) and ``lower`` re-calls its factory with ``policy=``. Every zoo factory takes ``policy=``.
+
+XLA dumps: ``dump_dir=`` passes ``xla_dump_to`` / ``xla_dump_hlo_as_text`` as per-compile
+``compiler_options``; both the CPU backend and libtpu honour them per compile (``XLA_FLAGS`` is read
+only once per process, so per-compile options are the only way to dump one program among many).
+The folder receives ``module_NNNN.jit_<name>....before_optimizations.txt``,
+``...after_optimizations.txt``, ``...-buffer-assignment.txt``, ``...-memory-usage-report.txt`` and
+``...-live-range.txt`` (libtpu names them ``module_NNNN.jit_step.cl_<cl>.<stage>``; the CPU backend
+``module_NNNN.jit_step.<stage>``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from hloopt.errors import UserError
+
+if "jax" not in sys.modules:
+    _flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in _flags:
+        os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+PLATFORMS: tuple[str, ...] = ("tpu", "cuda", "cpu")
+
+#: compile target -> topology names for get_topology_desc, smallest first; the first with enough
+#: devices for the program's mesh is used. (v4 reports 2 devices per chip: 2x2x1 has 8.)
+TPU_TOPOLOGIES: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "tpu-v4": ("v4:2x2x1", "v4:2x2x2", "v4:2x2x4"),
+    "tpu-v5e": ("v5e:2x2", "v5e:2x4", "v5e:4x4"),
+    "tpu-v5p": ("v5p:2x2x1", "v5p:2x2x2", "v5p:2x2x4"),
+    "tpu-v6e": ("v6e:2x2", "v6e:2x4", "v6e:4x4"),
+})
+COMPILE_TARGETS: tuple[str, ...] = ("cpu", *TPU_TOPOLOGIES)
+
+#: memory_analysis() attributes copied into Lowered.memory, when the backend reports them
+MEMORY_FIELDS: tuple[str, ...] = (
+    "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+    "generated_code_size_in_bytes", "host_argument_size_in_bytes", "host_output_size_in_bytes",
+    "host_alias_size_in_bytes", "host_temp_size_in_bytes", "host_generated_code_size_in_bytes",
+    "peak_memory_in_bytes",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """One step lowered for one platform, and (when asked) compiled."""
+
+    #: the platform lowered for: "tpu", "cuda" or "cpu"
+    platform: str
+    #: pre-optimization HLO text with op metadata (``as_text(dialect="hlo", debug_info=True)``)
+    hlo_text: str
+    #: the compile target ("cpu", "tpu-v5e", ...) or None when not compiled
+    compiled_for: str | None = None
+    #: the topology compiled on (e.g. "v5e:2x2"), TPU compiles only
+    topology: str | None = None
+    #: scheduled, optimized HLO (``compiled.as_text()``)
+    compiled_text: str | None = None
+    #: ``memory_analysis()`` figures in bytes, keys from :data:`MEMORY_FIELDS`
+    memory: Mapping[str, int] | None = None
+    #: ``cost_analysis()`` numbers (``flops``, ``bytes accessed``, ...); a while body counts once
+    cost: Mapping[str, float] | None = None
+    #: XLA dump folder when ``dump_dir=`` was given
+    dump_dir: Path | None = None
+
+
+def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, compile: str | None = None,
+          donate_argnums: int | tuple[int, ...] = (), dump_dir: str | os.PathLike[str] | None = None,
+          **kwargs: Any) -> Lowered:
+    """Lower ``step_fn(*args, **kwargs)`` for ``platform``; with ``compile=``, compile it too.
+
+    ``step_fn`` is a function (or a ``jax.jit`` wrapped one, used as is) or a
+    :class:`hloopt.targets.Target` of kind "jax" (then ``args``/``kwargs`` come from the target and
+    ``policy=`` rebuilds it through its factory). ``compile`` is ``"cpu"`` or a TPU generation
+    (``"tpu-v5e"``...); a TPU compile is always for TPU, whatever ``platform`` says of the
+    pre-optimization text. ``dump_dir`` makes the compile write XLA's dump files there.
+    """
+    import jax
+
+    step_fn, args, kwargs = _resolve_step(step_fn, args, kwargs, policy)
+    if platform not in PLATFORMS:
+        raise UserError(f"unknown platform {platform!r}: expected one of {', '.join(PLATFORMS)}")
+    if compile is not None and compile not in COMPILE_TARGETS:
+        raise UserError(f"unknown compile target {compile!r}: expected one of {', '.join(COMPILE_TARGETS)}")
+    if compile in TPU_TOPOLOGIES and not has_libtpu():
+        raise UserError("TPU compile needs libtpu: pip install 'hloopt[tpu]'")
+    if dump_dir is not None and compile is None:
+        raise UserError("dump_dir= needs compile= (XLA writes dumps while compiling)")
+
+    jitted = _jit(step_fn, donate_argnums)
+    traced = jitted.trace(*args, **kwargs)
+    lowered = traced.lower(lowering_platforms=(platform,))
+    hlo_text = lowered.as_text(dialect="hlo", debug_info=True)
+    if compile is None:
+        return Lowered(platform=platform, hlo_text=hlo_text)
+
+    topology = None
+    if compile == "cpu":
+        devices = jax.devices("cpu")
+    else:
+        topology, devices = _tpu_devices(compile, _mesh_size(args, kwargs))
+    placed_args, placed_kwargs = _place((args, kwargs), devices, compile)
+    options: dict[str, Any] = {}
+    if dump_dir is not None:
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        options = {"xla_dump_to": os.fspath(dump_dir), "xla_dump_hlo_as_text": True}
+    try:
+        compiled = jitted.trace(*placed_args, **placed_kwargs).lower().compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as err:
+        raise UserError(f"XLA could not compile the step for {compile}: {str(err).splitlines()[0]}") from err
+    return Lowered(
+        platform=platform, hlo_text=hlo_text, compiled_for=compile, topology=topology,
+        compiled_text=compiled.as_text(), memory=MappingProxyType(memory_stats(compiled)),
+        cost=MappingProxyType(cost_stats(compiled)),
+        dump_dir=Path(dump_dir) if dump_dir is not None else None,
+    )
+
+
+def memory_stats(compiled: Any) -> dict[str, int]:
+    """The :data:`MEMORY_FIELDS` that ``compiled.memory_analysis()`` reports, in bytes."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return {}
+    return {name: int(getattr(stats, name)) for name in MEMORY_FIELDS if hasattr(stats, name)}
+
+
+def cost_stats(compiled: Any) -> dict[str, float]:
+    """``compiled.cost_analysis()`` as one flat ``{name: float}`` (older jax returned a list of dicts)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return {str(k): float(v) for k, v in sorted((cost or {}).items()) if isinstance(v, (int, float))}
+
+
+def _resolve_step(step_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    from hloopt.targets import Target
+
+    if isinstance(step_fn, Target):
+        if step_fn.kind != "jax":
+            raise UserError(f"{step_fn.name}: a {step_fn.kind} target is HLO already; only jax targets lower")
+        if args or kwargs:
+            raise TypeError("lower(target): the arguments come from the target; pass none")
+        target = step_fn.rebuild(policy=policy) if policy is not None else step_fn
+        assert target.step_fn is not None
+        return target.step_fn, tuple(target.args), dict(target.kwargs)
+    if policy is not None:
+        raise UserError("policy= is applied when the step is built: pass a TARGET "
+                        "(hloopt.targets.resolve(...)) whose factory takes policy=, not a step function")
+    if not callable(step_fn):
+        raise TypeError(f"step_fn must be callable or a Target, got {type(step_fn).__name__}")
+    return step_fn, args, kwargs
+
+
+def _jit(step_fn: Callable[..., Any], donate_argnums: int | tuple[int, ...]) -> Any:
+    import jax
+
+    if hasattr(step_fn, "trace") and hasattr(step_fn, "lower"):
+        if donate_argnums not in ((), None):
+            raise TypeError("step_fn is already jitted: give donate_argnums to its jax.jit instead")
+        return step_fn
+    return jax.jit(step_fn, donate_argnums=donate_argnums)
+
+
+def has_libtpu() -> bool:
+    """Whether libtpu (deviceless TPU compiles) is installed; it is imported only when used."""
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def _named_meshes(tree: Any) -> list[Any]:
+    import jax
+    from jax.sharding import NamedSharding
+
+    return [leaf.sharding.mesh for leaf in jax.tree.leaves(tree)
+            if isinstance(getattr(leaf, "sharding", None), NamedSharding)]
+
+
+def _mesh_size(*trees: Any) -> int:
+    meshes = _named_meshes(trees)
+    return max((m.size for m in meshes), default=1)
+
+
+def _tpu_devices(compile: str, n_devices: int) -> tuple[str, list[Any]]:
+    if not has_libtpu():
+        raise UserError("TPU compile needs libtpu: pip install 'hloopt[tpu]'")
+    from jax.experimental import topologies
+
+    for name in TPU_TOPOLOGIES[compile]:
+        topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        if len(topo.devices) >= n_devices:
+            return name, list(topo.devices)
+    raise UserError(f"no {compile} topology known to hloopt has {n_devices} devices "
+                    f"(tried {', '.join(TPU_TOPOLOGIES[compile])})")
+
+
+def _place(tree: Any, devices: list[Any], compile: str) -> Any:
+    """Every leaf as a ``ShapeDtypeStruct`` on ``devices`` (see the module docstring)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+    meshes: dict[tuple[tuple[str, ...], tuple[int, ...]], Mesh] = {}
+
+    def concrete(mesh: Any) -> Mesh:
+        key = (tuple(mesh.axis_names), tuple(mesh.axis_sizes))
+        if key not in meshes:
+            if mesh.size > len(devices):
+                hint = (" (set XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts, "
+                        "or import hloopt.lowering first)") if compile == "cpu" else ""
+                raise UserError(f"the step is sharded over {mesh.size} devices but {compile} has "
+                                f"{len(devices)}{hint}")
+            meshes[key] = Mesh(np.array(devices[: mesh.size]).reshape(key[1]), key[0])
+        return meshes[key]
+
+    def leaf(x: Any) -> Any:
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            return x
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(concrete(sharding.mesh), sharding.spec)
+        else:
+            sharding = SingleDeviceSharding(devices[0])
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree.map(leaf, tree)
