@@ -1,0 +1,17 @@
+"""hloopt: what fills accelerator memory in a JAX training step, and what to offload to host."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["lower"]
+
+
+def __getattr__(name: str) -> Any:
+    # ``hloopt.lower`` imports hloopt.lowering (and jax) only when first used, so that
+    # ``import hloopt`` and the CLI's HLO-file commands never pay for jax.
+    if name == "lower":
+        from hloopt.lowering import lower
+
+        return lower
+    raise AttributeError(f"module 'hloopt' has no attribute {name!r}")
