@@ -17,6 +17,7 @@ from hloopt.errors import UserError
 COMMANDS: dict[str, str] = {
     "inspect": "inspect_cmd:inspect",
     "devices": "devices_cmd:devices",
+    "calibrate": "calibrate_cmd:calibrate",
 }
 
 
