@@ -225,9 +225,11 @@ def _resolve_dump(target: str, folder: Path, *, module: str | None, stage: str) 
         raise UserError(f"{target}: no module_*.{STAGES[stage]}.txt files: not an XLA dump folder "
                         "(dump with XLA_FLAGS='--xla_dump_to=DIR --xla_dump_hlo_as_text')")
     if module is not None:
+        def number(key: str) -> int:
+            return int(key.split(".", 1)[0].removeprefix("module_"))
+
         picked = [key for key in modules
-                  if module in (key, key.split(".", 1)[1], key.split(".", 1)[0].removeprefix("module_"))
-                  or key.split(".", 1)[0] == f"module_{module}"]
+                  if module in (key, key.split(".", 1)[1]) or (module.isdigit() and int(module) == number(key))]
         if not picked:
             raise UserError(f"{target}: no module {module!r} at stage {stage} (have: {', '.join(modules)})")
         if len(picked) > 1:
