@@ -71,6 +71,11 @@ def test_large_llama_computes_in_bf16_with_fp32_master_weights() -> None:
     assert "bf16[1,4096,4096]" in text
 
 
+def test_large_is_never_concrete() -> None:
+    with pytest.raises(ValueError, match="size='large' is only ever abstract"):
+        zoo("gpt2").make("large", abstract=False)
+
+
 def test_bad_size_and_variant_are_rejected() -> None:
     with pytest.raises(ValueError, match="size must be one of tiny, small, large"):
         zoo("llama").make("huge")
@@ -212,7 +217,7 @@ def test_snapshot_json_figures_are_consistent() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "convnet", "gpt2", "llama"])
 def test_tiny_step_lowers_the_loss(model: str) -> None:
-    step, (params, opt_state, batch) = zoo(model).tiny()
+    step, (params, opt_state, batch) = zoo(model).tiny(abstract=False)
     step = jax.jit(step)
     params, opt_state, first = step(params, opt_state, batch)
     for _ in range(4):
@@ -224,6 +229,7 @@ def test_tiny_step_lowers_the_loss(model: str) -> None:
 def test_llama_scan_and_unrolled_compute_the_same_loss() -> None:
     losses = []
     for scan_layers in (True, False):
-        step, args = zoo("llama").tiny(scan_layers=scan_layers, policy=_common.offload_policy(("context",)))
+        step, args = zoo("llama").tiny(scan_layers=scan_layers, policy=_common.offload_policy(("context",)),
+                                       abstract=False)
         losses.append(float(jax.jit(step)(*args)[2]))
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
