@@ -1,0 +1,105 @@
+"""Structural checks on a parsed module (XLA's HloVerifier, the part hloopt relies on).
+
+Checks: every computation has one root; operands are defined in the same computation (done while
+linking); ``get-tuple-element`` indexes a tuple operand within range and has the element's shape;
+``tuple`` has its operands' shapes; called computations exist and the call graph is acyclic;
+instructions form no cycle (operands plus control predecessors); the entry signature agrees with
+the parameters. Errors are :class:`HloVerifyError` naming file:line and the instruction.
+"""
+
+from __future__ import annotations
+
+from hloopt.errors import HloVerifyError
+from hloopt.ir import Computation, Instruction, Module
+
+
+def _where(mod: Module, inst: Instruction | None, comp: Computation | None = None) -> str:
+    line, col = inst.span if inst is not None else (comp.span if comp is not None else (0, 0))
+    return f"{mod.filename}:{line}:{col}" if line else mod.filename
+
+
+def verify_module(mod: Module) -> None:
+    """Raise :class:`HloVerifyError` on the first structural problem found."""
+    for comp in mod.computations.values():
+        _verify_computation(mod, comp)
+    _check_call_graph(mod)
+
+
+def _verify_computation(mod: Module, comp: Computation) -> None:
+    for inst in comp.instructions:
+        op = inst.opcode
+        if op == "get-tuple-element":
+            if len(inst.operands) != 1:
+                raise HloVerifyError(f"{_where(mod, inst)}: get-tuple-element {inst.name!r} needs one "
+                                     f"operand, has {len(inst.operands)}")
+            src = inst.operands[0].shape
+            idx = inst.tuple_index
+            if not src.is_tuple or not 0 <= idx < len(src.tuple_shapes):
+                raise HloVerifyError(f"{_where(mod, inst)}: get-tuple-element {inst.name!r} index {idx} "
+                                     f"is out of range for operand shape {src.to_text(layout=False)}")
+            if not src.tuple_shapes[idx].same_dims(inst.shape):
+                raise HloVerifyError(
+                    f"{_where(mod, inst)}: get-tuple-element {inst.name!r} has shape "
+                    f"{inst.shape.to_text(layout=False)} but element {idx} of its operand is "
+                    f"{src.tuple_shapes[idx].to_text(layout=False)}")
+        elif op == "tuple":
+            if not inst.shape.is_tuple or len(inst.shape.tuple_shapes) != len(inst.operands) or not all(
+                    s.same_dims(o.shape) for s, o in zip(inst.shape.tuple_shapes, inst.operands)):
+                raise HloVerifyError(
+                    f"{_where(mod, inst)}: tuple {inst.name!r} has shape {inst.shape.to_text(layout=False)}"
+                    f" but its operands are ({', '.join(o.shape.to_text(layout=False) for o in inst.operands)})")
+    if comp.signature is not None:
+        # XLA checks only the result against the root (parameters are not compared).
+        _, result = comp.signature
+        if comp.root is not None and not result.same_dims(comp.root.shape):
+            raise HloVerifyError(
+                f"{_where(mod, None, comp)}: computation {comp.name!r} returns "
+                f"{result.to_text(layout=False)} but its root {comp.root.name!r} has shape "
+                f"{comp.root.shape.to_text(layout=False)}")
+    _check_acyclic(mod, comp)
+
+
+def _check_acyclic(mod: Module, comp: Computation) -> None:
+    # Kahn's algorithm over operand + control edges; iterative so deep graphs cannot overflow.
+    indeg = {id(i): 0 for i in comp.instructions}
+    succ: dict[int, list[Instruction]] = {id(i): [] for i in comp.instructions}
+    for inst in comp.instructions:
+        for p in (*inst.operands, *inst.control_predecessors):
+            indeg[id(inst)] += 1
+            succ[id(p)].append(inst)
+    ready = [i for i in comp.instructions if indeg[id(i)] == 0]
+    seen = 0
+    while ready:
+        i = ready.pop()
+        seen += 1
+        for s in succ[id(i)]:
+            indeg[id(s)] -= 1
+            if indeg[id(s)] == 0:
+                ready.append(s)
+    if seen != len(comp.instructions):
+        stuck = next(i for i in comp.instructions if indeg[id(i)] > 0)
+        raise HloVerifyError(f"{_where(mod, stuck)}: instruction {stuck.name!r} in {comp.name!r} "
+                             "depends on itself (a cycle through its operands)")
+
+
+def _check_call_graph(mod: Module) -> None:
+    color: dict[str, int] = {}
+    for root in mod.computations.values():
+        if color.get(root.name):
+            continue
+        stack = [(root, iter([c for i in root.instructions for c in i.called_computations]))]
+        color[root.name] = 1
+        while stack:
+            comp, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                color[comp.name] = 2
+                stack.pop()
+                continue
+            c = color.get(nxt.name, 0)
+            if c == 1:
+                raise HloVerifyError(f"{_where(mod, None, nxt)}: computation {nxt.name!r} calls itself "
+                                     f"(a cycle in the call graph through {comp.name!r})")
+            if c == 0:
+                color[nxt.name] = 1
+                stack.append((nxt, iter([x for i in nxt.instructions for x in i.called_computations])))
