@@ -48,6 +48,7 @@ _OPCODE = re.compile(r"\s*([a-z][a-z0-9\-_]*)[ \t]*\(")
 _OPCODE_AHEAD = re.compile(r"([a-z][a-z0-9\-_]*)[ \t]*\(")
 _ATTR_NAME = re.compile(r"([A-Za-z_][\w\-.]*)[ \t]*=[ \t]*")
 _SIMPLE_VALUE = re.compile(r"[^,\s{}()\[\]\"]+")
+_SPACE_GROUP = re.compile(r"[ \t]+[{\[]")
 _FLAT_BRACES = re.compile(r'\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 _BAL_TOKEN = re.compile(r'[^{}\[\]()"/]+|"(?:[^"\\]|\\.)*"|/\*(?:[^*]|\*(?!/))*\*/|.', re.S)
@@ -169,7 +170,13 @@ class _Parser:
             else:
                 m = _SIMPLE_VALUE.match(text, pos)
                 if m is None:
-                    break
+                    # ``replica_groups=@mesh[...] {'axis_0'}``: a group after a space continues
+                    # the value (an attribute list never has '{' there otherwise).
+                    m = _SPACE_GROUP.match(text, pos)
+                    if m is None or pos == start:
+                        break
+                    pos = m.end() - 1
+                    continue
                 pos = m.end()
         if pos == start:
             raise self.expected(pos, "an attribute value")

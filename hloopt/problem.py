@@ -1,0 +1,150 @@
+"""The offload problem: the one data contract between analyses, the simulator and the solvers.
+
+Analyses (liveness, residuals, cost model) build a :class:`Problem`; every strategy (MILP,
+heuristic, a JAX built-in policy, a MaxText preset) produces :class:`Decisions` over its
+candidates; one simulator (:mod:`hloopt.simulator`) replays a Problem under Decisions into a
+memory timeline and a step time. It is the only place bytes and seconds are added up.
+
+Time is a sequence of *steps* (the schedule: top-level instructions of the entry computation,
+with while loops expanded into one step per known iteration so per-layer transfers can overlap
+per-layer compute). ``Step.base_bytes`` is device memory live during the step that no decision
+can change; candidate residuals add their own bytes on top, according to their decision:
+
+    step:        0    1    2    3    4    5    6    7
+    device:      [====produced ..........last use]          keep on device
+    offload:     [=d2h=]                   [=h2d=|use]      device bytes only while moving
+    remat:       [=fwd=]                        [re|use]    recomputed before the backward use
+
+Invariant: simulating ``Decisions.all_device()`` reproduces the analyzed peak exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+
+class Action(str, enum.Enum):
+    """What to do with a candidate's residual(s)."""
+
+    DEVICE = "device"
+    OFFLOAD = "offload"
+    REMAT = "remat"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One point of the schedule."""
+
+    #: Modeled compute time of the step in seconds (roofline of the instruction).
+    duration_s: float
+    #: Device bytes live during the step that no decision changes (parameters, temporaries...).
+    base_bytes: int
+    #: Human label: the instruction name (and loop iteration) the step stands for.
+    label: str = ""
+    #: Whether the step belongs to the backward pass (for reports; the solvers do not need it).
+    backward: bool = False
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One residual buffer (one layer's copy of a candidate)."""
+
+    #: Bytes on device while the buffer is live there.
+    bytes: int
+    #: Step whose end produces the buffer.
+    produced: int
+    #: Last forward step that reads it (>= produced). After it the buffer only waits for backward.
+    last_forward_use: int
+    #: First backward step that reads it; it must be on device by the start of this step.
+    first_backward_use: int
+    #: Last step that reads it; the buffer is freed after this step.
+    last_use: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A group of residuals one policy rule selects (one ``checkpoint_name``, or one primitive rule)."""
+
+    #: Stable key, e.g. ``name:query_proj`` or ``prim:dot_general@model.py:42``.
+    key: str
+    #: What a JAX policy uses to select it: the checkpoint_name, or None when unnamed.
+    name: str | None
+    #: Human description of how to select it (``checkpoint_name 'query_proj'``, ``dot_general at f.py:3``).
+    selector: str
+    instances: tuple[Instance, ...]
+    #: Actions a JAX policy can express for this candidate.
+    allowed: frozenset[Action] = frozenset({Action.DEVICE, Action.OFFLOAD})
+    #: Extra compute seconds to recompute all instances (if REMAT is allowed).
+    remat_s: float = 0.0
+    #: Source location for reports (file:line), if known.
+    source: str = ""
+    #: Shape text of one instance, for reports.
+    shape: str = ""
+
+    @property
+    def bytes(self) -> int:
+        return sum(i.bytes for i in self.instances)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the simulator and the solvers need; built once per module and device."""
+
+    steps: tuple[Step, ...]
+    candidates: tuple[Candidate, ...]
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
+    #: Rates when both directions run at once.
+    duplex_d2h_bytes_per_s: float
+    duplex_h2d_bytes_per_s: float
+    transfer_latency_s: float
+    dma_engines: int = 1
+    #: A reload may start at most this many steps before its first backward use (None: any time
+    #: after the offload finished).
+    prefetch_window_steps: int | None = None
+    #: Device name and anything else a report should show about the assumptions.
+    device: str = ""
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    def candidate(self, key: str) -> Candidate:
+        for c in self.candidates:
+            if c.key == key:
+                return c
+        raise KeyError(key)
+
+
+@dataclass(frozen=True)
+class Decisions:
+    """An action per candidate key; keys not mentioned stay on device."""
+
+    actions: Mapping[str, Action] = field(default_factory=dict)
+
+    @staticmethod
+    def all_device() -> "Decisions":
+        return Decisions({})
+
+    def action(self, key: str) -> Action:
+        return self.actions.get(key, Action.DEVICE)
+
+    def of(self, action: Action) -> list[str]:
+        return sorted(k for k, a in self.actions.items() if a == action)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one replay of a Problem under Decisions gives."""
+
+    peak_bytes: int
+    peak_step: int
+    step_time_s: float
+    compute_time_s: float
+    #: Compute stalled waiting for late reloads (non-overlapped transfer time).
+    exposed_transfer_s: float
+    #: Device bytes live at each step.
+    timeline_bytes: Sequence[int]
+    #: (candidate key, instance index, direction "d2h"/"h2d", start_s, end_s) per transfer.
+    transfers: Sequence[tuple[str, int, str, float, float]] = ()
+    #: Start time of each step in seconds (after stalls).
+    step_start_s: Sequence[float] = ()
