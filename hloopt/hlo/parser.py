@@ -21,7 +21,7 @@ bound), so hostile input cannot exhaust the stack.
 from __future__ import annotations
 
 import re
-from typing import Callable
+from typing import Callable, NoReturn
 
 from hloopt.errors import HloParseError
 from hloopt.ir import (
@@ -255,6 +255,9 @@ class _Parser:
         text = self.text
         end = self.balanced(pos)
         body = text[pos + 1:end - 1]
+        if not body.strip():
+            # XLA reads a layout only when '{' is followed by a dimension or ':'.
+            raise self.error(pos, "expects opcode: '{}' is not a layout (write {0,...} or omit it)")
         head, _, tail = body.partition(":")
         m2m: tuple[int, ...] = ()
         if head.strip():
@@ -346,16 +349,17 @@ class _Parser:
             if table is not None:
                 pos = self.table(mod, table.group(1), table.end())
                 continue
+            comp_pos = pos
             comp, pos = self.computation(pos)
             for inline in self._inline:
                 mod.computations[inline.name] = inline
                 inline.module = mod
             self._inline = []
             if comp.name in mod.computations:
-                raise self.error(pos, f"computation {comp.name!r} is defined twice")
+                raise self.error(comp_pos, f"computation {comp.name!r} is defined twice")
             if comp.is_entry:
                 if pending_entry is not None:
-                    raise self.error(pos, "expects only one ENTRY")
+                    raise self.error(comp_pos, "expects only one ENTRY")
                 pending_entry = comp
             mod.computations[comp.name] = comp
             comp.module = mod
@@ -367,7 +371,33 @@ class _Parser:
             pending_entry.is_entry = True
         mod.entry = pending_entry
         self.link(mod)
+        from hloopt.hlo.checks import check_module
+
+        check_module(mod, self._fail, header_fail=self._header_fail)
         return mod
+
+    def _fail(self, inst: Instruction | None, message: str, *, needle: str | None = None,
+              offset: int = 0) -> NoReturn:
+        """Raise at an instruction (or at ``needle`` inside its text, plus ``offset``)."""
+        pos = self._pos_of(inst) if inst is not None else 0
+        if needle is not None:
+            # An instruction may span lines: search up to the next instruction (or the '}').
+            comp = inst.parent if inst is not None else None
+            if comp is not None and 0 <= inst.index + 1 < len(comp.instructions):
+                limit = self._pos_of(comp.instructions[inst.index + 1])
+            else:
+                limit = self.text.find("\n}", pos)
+            if limit <= pos:
+                limit = self.n
+            found = self.text.find(needle, pos, limit)
+            if found >= 0:
+                pos = found + (offset if offset else 0)
+        raise self.error(pos, message)
+
+    def _header_fail(self, key: str, message: str, offset: int) -> NoReturn:
+        found = self.text.find(key + "=")
+        pos = found + len(key) + 1 + offset if found >= 0 else 0
+        raise self.error(pos, message)
 
     def _header(self, mod: Module, attrs: dict[str, str]) -> None:
         v = attrs.get("is_scheduled")
@@ -808,7 +838,7 @@ def parse_module(text: str, *, filename: str = "<string>", name: str | None = No
     if verify:
         from hloopt.hlo.verifier import verify_module
 
-        verify_module(mod)
+        verify_module(mod, text=text)
     return mod
 
 
@@ -853,6 +883,26 @@ def parse_shape(text: str) -> Shape:
     if pos != len(text):
         raise p.expected(pos, "end of shape")
     return s
+
+
+def parse_shape_list(text: str) -> list[Shape] | None:
+    """``{f32[2]{0}, s32[]}`` -> shapes, or None when the text is not a braced shape list."""
+    try:
+        p = _Parser(text, "<shapes>")
+        pos = p.ws(0)
+        if not text.startswith("{", pos):
+            return None
+        pos = p.ws(pos + 1)
+        out: list[Shape] = []
+        while pos < p.n and text[pos] != "}":
+            s, pos = p.shape(pos)
+            out.append(s)
+            pos = p.ws(pos)
+            if pos < p.n and text[pos] == ",":
+                pos = p.ws(pos + 1)
+        return out
+    except HloParseError:
+        return None
 
 
 def parse_file(path: str, *, verify: bool = True) -> Module:

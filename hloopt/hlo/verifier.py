@@ -1,10 +1,13 @@
 """Structural checks on a parsed module (XLA's HloVerifier, the part hloopt relies on).
 
-Checks: every computation has one root; operands are defined in the same computation (done while
-linking); ``get-tuple-element`` indexes a tuple operand within range and has the element's shape;
+Checks: every computation has exactly one root; operands are defined in the same computation
+(the parser also checks while linking; this covers modules built in code); called computations
+belong to the module; ``get-tuple-element`` indexes a tuple operand within range and has the element's shape;
 ``tuple`` has its operands' shapes; called computations exist and the call graph is acyclic;
 instructions form no cycle (operands plus control predecessors); the entry signature agrees with
-the parameters. Errors are :class:`HloVerifyError` naming file:line and the instruction.
+the parameters. Errors are :class:`HloVerifyError` whose message starts with ``FILE:LINE:COL``
+of the instruction (or computation) and whose ``detail`` draws a caret under it when the source
+text is given; ``line``/``col``/``filename`` are set on the error as on ``HloParseError``.
 """
 
 from __future__ import annotations
@@ -18,11 +21,64 @@ def _where(mod: Module, inst: Instruction | None, comp: Computation | None = Non
     return f"{mod.filename}:{line}:{col}" if line else mod.filename
 
 
-def verify_module(mod: Module) -> None:
-    """Raise :class:`HloVerifyError` on the first structural problem found."""
+def verify_module(mod: Module, *, text: str | None = None) -> None:
+    """Raise :class:`HloVerifyError` on the first structural problem found.
+
+    ``text``: the source the module was parsed from, for a caret snippet under the problem.
+    """
+    try:
+        _check_structure(mod)
+        for comp in mod.computations.values():
+            _verify_computation(mod, comp)
+        _check_call_graph(mod)
+    except HloVerifyError as err:
+        _attach_position(err, mod, text)
+        raise
+
+
+def _attach_position(err: HloVerifyError, mod: Module, text: str | None) -> None:
+    import re
+
+    m = re.match(r".*?:(\d+):(\d+): ", err.message)
+    line, col = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    setattr(err, "filename", mod.filename)
+    setattr(err, "line", line)
+    setattr(err, "col", col)
+    if text is not None and line > 0 and err.detail is None:
+        lines = text.split("\n", line)
+        if len(lines) >= line:
+            src = lines[line - 1]
+            start = max(0, col - 80) if len(src) > 160 else 0
+            err.detail = src[start:start + 160].expandtabs(1) + "\n" + " " * max(col - 1 - start, 0) + "^"
+
+
+def _check_structure(mod: Module) -> None:
+    """Roots, operand membership and callee membership (what linking guarantees for parsed text)."""
     for comp in mod.computations.values():
-        _verify_computation(mod, comp)
-    _check_call_graph(mod)
+        if not comp.instructions:
+            raise HloVerifyError(f"{_where(mod, None, comp)}: computation {comp.name!r} has no "
+                                 "instructions")
+        roots = [i for i in comp.instructions if i.is_root]
+        if len(roots) > 1:
+            raise HloVerifyError(f"{_where(mod, roots[1])}: computation {comp.name!r} has more than "
+                                 f"one ROOT ({roots[0].name!r} and {roots[1].name!r})")
+        if comp.root is None or comp.root.parent is not comp and comp.root.parent is not None:
+            raise HloVerifyError(f"{_where(mod, None, comp)}: computation {comp.name!r} has no root")
+        if roots and roots[0] is not comp.root:
+            raise HloVerifyError(f"{_where(mod, roots[0])}: computation {comp.name!r} marks "
+                                 f"{roots[0].name!r} as ROOT but its root is {comp.root.name!r}")
+        members = {id(i) for i in comp.instructions}
+        for inst in comp.instructions:
+            for op in inst.operands:
+                if id(op) not in members:
+                    raise HloVerifyError(
+                        f"{_where(mod, inst)}: instruction {inst.name!r} uses {op.name!r}, which "
+                        f"is not defined in computation {comp.name!r}")
+            for callee in inst.called_computations:
+                if mod.computations.get(callee.name) is not callee:
+                    raise HloVerifyError(
+                        f"{_where(mod, inst)}: {inst.name!r} calls computation {callee.name!r}, "
+                        "which is not in the module")
 
 
 def _verify_computation(mod: Module, comp: Computation) -> None:
