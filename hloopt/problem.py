@@ -82,6 +82,11 @@ class Candidate:
     source: str = ""
     #: Shape text of one instance, for reports.
     shape: str = ""
+    #: JAX primitive that produces it (``dot_general``, ``tanh``...), from op_name metadata; lets
+    #: primitive-based policies (``dots_saveable``...) be expressed as Decisions.
+    primitive: str = ""
+    #: For dot_general producers: whether the dot has batch dimensions.
+    dot_has_batch_dims: bool = False
 
     @property
     def bytes(self) -> int:
