@@ -151,3 +151,22 @@ def approximate_memory(module: Module) -> ApproxMemory:
     return ApproxMemory(step_labels=tuple(inst.name for inst in insts), timeline_by_category=timeline,
                         peak_step=peak_step, peak_bytes=total[peak_step] if n else 0,
                         buffers=tuple(result))
+
+
+def report_data_from_module(module: Module, device: Mapping[str, object], *, budget_bytes: int | None = None,
+                            top: int = 50, memory: ApproxMemory | None = None):
+    """A baseline-only :class:`~hloopt.report.ReportData` for ``module`` (no plan, no residuals)."""
+    from hloopt.report import LiveBuffer, ReportData, mesh_of
+
+    mem = memory if memory is not None else approximate_memory(module)
+    live = [LiveBuffer(name=b.name, shape=b.shape, bytes=b.bytes, category=b.category, op_name=b.op_name,
+                       source=b.source) for b in mem.live_at(mem.peak_step)[:top]]
+    shardings = [i.sharding for i in module.instructions() if i.sharding]
+    return ReportData(
+        module_name=module.name, device=dict(device), budget_bytes=budget_bytes,
+        step_labels=mem.step_labels, baseline_by_category=mem.timeline_by_category,
+        baseline_peak_step=mem.peak_step, baseline_peak_bytes=mem.peak_bytes, live_at_peak=tuple(live),
+        assumptions={"memory model": "entry-level liveness approximation (loop bodies not looked into)",
+                     "schedule": "entry computation in text order" + (" (scheduled module)" if module.is_scheduled else "")},
+        num_partitions=module.num_partitions, mesh=mesh_of(shardings, module.num_partitions),
+    ).validate()
