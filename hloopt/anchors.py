@@ -1,0 +1,95 @@
+"""The anchors a plan is judged against: JAX's built-in checkpoint policies and MaxText's presets.
+
+Each anchor is expressed as :class:`~hloopt.problem.Decisions` over a Problem's candidates, so the
+one simulator judges it exactly as it judges a solver's plan. The Problem is built from the
+program lowered with every residual saved (``everything_saveable``), so each anchor's policy is a
+choice per candidate:
+
+* a policy *saves* a residual (DEVICE), *offloads* it (OFFLOAD), or neither, in which case JAX
+  recomputes it in the backward pass (REMAT);
+* a candidate outside every ``jax.checkpoint`` is not governed by any policy: it stays on device
+  (its ``allowed`` actions say so).
+
+MaxText presets follow MaxText's ``get_remat_policy`` (decoders.py): ``minimal`` saves the
+projection tensors, ``minimal_offloaded`` offloads them, ``qkv_proj_offloaded`` offloads the q/k/v
+projections, ``full`` saves nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from hloopt.problem import Action, Candidate, Decisions, Problem
+
+#: The tensors MaxText's ``minimal`` / ``minimal_offloaded`` presets save / offload.
+MAXTEXT_MINIMAL_NAMES = frozenset({
+    "query_proj", "value_proj", "key_proj", "qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi",
+    "mlpwo",
+})
+MAXTEXT_QKV_NAMES = frozenset({"query_proj", "value_proj", "key_proj"})
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A named policy and the action it takes on each candidate."""
+
+    name: str
+    #: ``jax`` (a ``jax.checkpoint_policies`` policy) or ``maxtext`` (a ``remat_policy`` preset).
+    kind: str
+    #: The policy as a user writes it.
+    code: str
+    decide: Callable[[Candidate], Action]
+
+    def decisions(self, problem: Problem) -> Decisions:
+        actions = {}
+        for c in problem.candidates:
+            a = self.decide(c)
+            if a not in c.allowed:
+                a = Action.DEVICE
+            if a != Action.DEVICE:
+                actions[c.key] = a
+        return Decisions(actions)
+
+
+def _is_dot(c: Candidate) -> bool:
+    return c.primitive == "dot_general"
+
+
+def _names(names: frozenset[str], action: Action) -> Callable[[Candidate], Action]:
+    return lambda c: action if c.name in names else Action.REMAT
+
+
+ANCHORS: tuple[Anchor, ...] = (
+    Anchor("everything_saveable", "jax", "jax.checkpoint_policies.everything_saveable",
+           lambda c: Action.DEVICE),
+    Anchor("nothing_saveable", "jax", "jax.checkpoint_policies.nothing_saveable",
+           lambda c: Action.REMAT),
+    Anchor("dots_saveable", "jax", "jax.checkpoint_policies.dots_saveable",
+           lambda c: Action.DEVICE if _is_dot(c) else Action.REMAT),
+    Anchor("dots_with_no_batch_dims_saveable", "jax",
+           "jax.checkpoint_policies.dots_with_no_batch_dims_saveable",
+           lambda c: Action.DEVICE if _is_dot(c) and not c.dot_has_batch_dims else Action.REMAT),
+    Anchor("offload_dot_with_no_batch_dims", "jax",
+           "jax.checkpoint_policies.offload_dot_with_no_batch_dims('device', 'pinned_host')",
+           lambda c: Action.OFFLOAD if _is_dot(c) and not c.dot_has_batch_dims else Action.REMAT),
+    Anchor("offload_all_names", "jax",
+           "jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved=[], "
+           "names_which_can_be_offloaded=<every name>, offload_src='device', offload_dst='pinned_host')",
+           lambda c: Action.OFFLOAD if c.name else Action.REMAT),
+    Anchor("minimal", "maxtext", "remat_policy: minimal",
+           _names(MAXTEXT_MINIMAL_NAMES, Action.DEVICE)),
+    Anchor("minimal_offloaded", "maxtext", "remat_policy: minimal_offloaded",
+           _names(MAXTEXT_MINIMAL_NAMES, Action.OFFLOAD)),
+    Anchor("qkv_proj_offloaded", "maxtext", "remat_policy: qkv_proj_offloaded",
+           _names(MAXTEXT_QKV_NAMES, Action.OFFLOAD)),
+    Anchor("full", "maxtext", "remat_policy: full", lambda c: Action.REMAT),
+)
+
+
+def expressible(anchor: Anchor, problem: Problem) -> bool:
+    """MaxText presets apply only to programs that use MaxText's tensor names."""
+    if anchor.kind != "maxtext" or anchor.name == "full":
+        return True
+    wanted = MAXTEXT_QKV_NAMES if anchor.name == "qkv_proj_offloaded" else MAXTEXT_MINIMAL_NAMES
+    return any(c.name in wanted for c in problem.candidates)
