@@ -1,0 +1,499 @@
+"""The plan file: what hloopt decided for each residual, and what it predicts, as versioned JSON.
+
+A :class:`Plan` is what ``hloopt plan`` writes and everything downstream reads: the emitters
+(:mod:`hloopt.emit`: a JAX policy, a MaxText config, annotated HLO) and ``hloopt verify``. It is
+a frozen dataclass tree with one JSON form:
+
+    {"schema": "hloopt.plan/1", "target": ..., "module": ..., "device": {...},
+     "budget": {"spec": "75%", "bytes": N} | null, "mode": "budget"|"max-slowdown"|"pareto",
+     "decisions": [{"key", "name", "selector", "action", "bytes", "layers", "shape", "reason",
+                    "source", "values"}, ...],
+     "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null}
+
+Algorithm: :meth:`Plan.to_json` writes keys sorted, floats rounded to :data:`FLOAT_DIGITS`
+significant digits, decisions in the order given and no timestamps, so one plan always gives the
+same bytes (plans diff cleanly and are reproducible). :meth:`Plan.load` checks every field's type
+and says which field of which file is wrong, in one line (a :class:`UserError`).
+
+Invariants: decision keys are unique; a checkpoint name has one action (JAX's
+``save_and_offload_only_these_names`` rejects a name both saved and offloaded); a file written by
+a newer hloopt (``hloopt.plan/N``, N > :data:`SCHEMA_VERSION`) is refused, never half-read.
+Unknown extra fields are ignored, so version 1 can grow optional fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hloopt.errors import UserError
+
+__all__ = [
+    "ACTIONS", "Bounds", "Budget", "Decision", "MODES", "ParetoPoint", "Plan", "Predicted",
+    "SCHEMA", "SCHEMA_VERSION", "Selector", "SolverInfo",
+]
+
+SCHEMA_VERSION = 1
+SCHEMA_PREFIX = "hloopt.plan/"
+SCHEMA = f"{SCHEMA_PREFIX}{SCHEMA_VERSION}"
+ACTIONS: tuple[str, ...] = ("device", "offload", "remat")
+MODES: tuple[str, ...] = ("budget", "max-slowdown", "pareto")
+SELECTOR_KINDS: tuple[str, ...] = ("name", "primitive")
+#: Significant digits floats are written with: enough for nanoseconds in an hour-long step.
+FLOAT_DIGITS = 12
+
+_SCHEMA_RE = re.compile(r"^hloopt\.plan/(\d+)$")
+
+
+def _round(x: float) -> float:
+    if not math.isfinite(x):
+        return x
+    return float(f"{x:.{FLOAT_DIGITS}g}")
+
+
+@dataclass(frozen=True)
+class Selector:
+    """How a JAX policy picks the residual: by ``checkpoint_name`` or by primitive."""
+
+    #: "name" (a ``checkpoint_name``) or "primitive" (an unnamed value, by the primitive making it)
+    kind: str
+    #: kind "name": the checkpoint_name
+    name: str | None = None
+    #: kind "primitive": the JAX primitive name (``dot_general``)
+    primitive: str | None = None
+    #: kind "primitive": ``file:line`` that made it (informative: policies never see sources)
+    source: str | None = None
+    #: kind "primitive": HLO shape text of the primitive's output (``f32[2,32,64]``); when set the
+    #: policy matches only outputs of this shape and element type
+    shape: str | None = None
+
+    @staticmethod
+    def by_name(name: str) -> Selector:
+        return Selector(kind="name", name=name)
+
+    @staticmethod
+    def by_primitive(primitive: str, *, source: str | None = None, shape: str | None = None) -> Selector:
+        return Selector(kind="primitive", primitive=primitive, source=source, shape=shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.kind == "name":
+            return {"kind": "name", "name": self.name}
+        d: dict[str, Any] = {"kind": "primitive", "primitive": self.primitive, "source": self.source}
+        if self.shape is not None:
+            d["shape"] = self.shape
+        return d
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The action for one candidate (a group of residuals one policy rule selects)."""
+
+    #: stable key, e.g. ``name:query_proj`` or ``prim:dot_general@model.py:42``
+    key: str
+    #: the checkpoint_name, or None for an unnamed value
+    name: str | None
+    selector: Selector
+    #: "device" (keep), "offload" (to pinned host memory) or "remat" (recompute in backward)
+    action: str
+    #: device bytes of all instances together (every layer)
+    bytes: int
+    #: number of instances (layers) the rule selects
+    layers: int
+    #: HLO shape text of one instance
+    shape: str = ""
+    #: why the solver chose this action, for people
+    reason: str = ""
+    #: ``file:line`` of the value in the user's program, when known
+    source: str = ""
+    #: names of the HLO instructions (in the plan's ``module``) defining the instances, when known
+    values: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "key": self.key, "name": self.name, "selector": self.selector.to_dict(), "action": self.action,
+            "bytes": self.bytes, "layers": self.layers, "shape": self.shape, "reason": self.reason,
+            "source": self.source, "values": list(self.values),
+        }
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The device-memory budget the plan was made for."""
+
+    #: as the user gave it: ``"75%"``, ``"12GiB"``
+    spec: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """What the simulator predicts for the plan, and for keeping every residual on device."""
+
+    peak_bytes: int
+    step_time_s: float
+    #: transfer time compute waits for (not hidden behind compute)
+    exposed_transfer_s: float
+    baseline_peak_bytes: int
+    baseline_step_time_s: float
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The least peak any policy reaches (everything offloaded or recomputed), and the least time."""
+
+    least_peak_bytes: int
+    least_step_time_s: float
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    #: "milp", "greedy", ...
+    name: str
+    #: "optimal", "feasible", "time-limit", ...
+    status: str
+    #: relative optimality gap (0 when proven optimal), None when unknown
+    gap: float | None
+    time_s: float
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    """One point of a peak/time trade-off curve and the non-device actions that reach it."""
+
+    peak_bytes: int
+    step_time_s: float
+    #: candidate key -> "offload"/"remat" (keys not listed stay on device)
+    actions: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan (see the module docstring for the file format)."""
+
+    target: str
+    #: HLO module name the plan was made for
+    module: str
+    #: the :class:`hloopt.devices.DeviceProfile` used, as ``to_dict()``
+    device: Mapping[str, Any]
+    budget: Budget | None
+    mode: str
+    decisions: tuple[Decision, ...]
+    predicted: Predicted
+    bounds: Bounds
+    solver: SolverInfo
+    pareto: tuple[ParetoPoint, ...] | None = None
+    schema: str = SCHEMA
+
+    def __post_init__(self) -> None:
+        # Constructed in code (by the pipeline) the same checks as a loaded file apply.
+        _check_semantics(self, "<plan>")
+
+    # -- views -------------------------------------------------------------------------------
+    def of(self, action: str) -> tuple[Decision, ...]:
+        """Decisions with ``action``, in plan order."""
+        return tuple(d for d in self.decisions if d.action == action)
+
+    def names(self, action: str) -> list[str]:
+        """Checkpoint names selected by name with ``action``, sorted."""
+        return sorted({d.selector.name for d in self.of(action)
+                       if d.selector.kind == "name" and d.selector.name is not None})
+
+    @property
+    def by_name_only(self) -> bool:
+        """Whether every decision selects by checkpoint_name (a stock JAX policy expresses it)."""
+        return all(d.selector.kind == "name" for d in self.decisions)
+
+    def device_profile(self) -> Any:
+        from hloopt.devices import DeviceProfile
+
+        return DeviceProfile.from_dict(self.device, origin="plan device")
+
+    # -- JSON --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "target": self.target,
+            "module": self.module,
+            "device": _plain(self.device),
+            "budget": None if self.budget is None else {"spec": self.budget.spec, "bytes": self.budget.bytes},
+            "mode": self.mode,
+            "decisions": [d.to_dict() for d in self.decisions],
+            "predicted": dataclasses.asdict(self.predicted),
+            "bounds": dataclasses.asdict(self.bounds),
+            "solver": dataclasses.asdict(self.solver),
+            "pareto": None if self.pareto is None else [
+                {"peak_bytes": p.peak_bytes, "step_time_s": p.step_time_s, "actions": dict(p.actions)}
+                for p in self.pareto],
+        }
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (sorted keys, rounded floats, ASCII), ending in a newline."""
+        return json.dumps(_rounded(self.to_dict()), sort_keys=True, indent=2, ensure_ascii=True,
+                          allow_nan=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, *, origin: str = "<plan>") -> Plan:
+        """Validate and build; ``origin`` (the file name) starts every error message."""
+        return _parse_plan(data, origin)
+
+    @classmethod
+    def loads(cls, text: str, *, origin: str = "<plan>") -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{origin}: not JSON (line {err.lineno} column {err.colno}: {err.msg})") from None
+        return _parse_plan(data, origin)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read and validate a plan file; every problem is one UserError line naming the file."""
+        p = Path(path)
+        origin = os.fspath(path)
+        if p.is_dir():
+            raise UserError(f"{origin}: is a folder, not a plan file")
+        try:
+            raw = p.read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"{origin}: no such plan file") from None
+        except OSError as err:
+            raise UserError(f"{origin}: cannot read: {err.strerror}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"{origin}: not JSON (not UTF-8 text)") from None
+        return cls.loads(text, origin=origin)
+
+    def save(self, path: str | os.PathLike[str], *, force: bool = False) -> None:
+        """Write :meth:`to_json` atomically (see :func:`hloopt.fileio.write_text_atomic`)."""
+        from hloopt.fileio import write_text_atomic
+
+        write_text_atomic(path, self.to_json(), force=force)
+
+
+# -- serialisation helpers ----------------------------------------------------------------------
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return _round(value)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
+
+
+# -- validation --------------------------------------------------------------------------------
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
+class _Reader:
+    """Typed field access on one JSON object, with errors that name the file and the field path."""
+
+    def __init__(self, origin: str, path: str, obj: Any) -> None:
+        self.origin, self.path = origin, path
+        if not isinstance(obj, dict):
+            raise self.error(f"expected an object, got {_type_name(obj)}", path)
+        self.obj = obj
+
+    def error(self, msg: str, path: str | None = None) -> UserError:
+        where = path if path is not None else self.path
+        return UserError(f"{self.origin}: {where}: {msg}" if where else f"{self.origin}: {msg}")
+
+    def _get(self, key: str, *, optional: bool) -> Any:
+        if key not in self.obj:
+            if optional:
+                return None
+            raise self.error(f"missing field {key!r}")
+        return self.obj[key]
+
+    def _at(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def str(self, key: str, *, optional: bool = False, nullable: bool = False, default: str | None = None) -> Any:
+        if key not in self.obj:
+            if default is not None:
+                return default
+            if optional:
+                return None
+            raise self.error(f"missing field {key!r}")
+        v = self.obj[key]
+        if v is None and nullable:
+            return None
+        if not isinstance(v, str):
+            raise self.error(f"expected a string, got {_type_name(v)}", self._at(key))
+        return v
+
+    def int(self, key: str, *, nullable: bool = False, minimum: int | None = 0) -> Any:
+        v = self._get(key, optional=False)
+        if v is None and nullable:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.error(f"expected an integer, got {_type_name(v)}", self._at(key))
+        if minimum is not None and v < minimum:
+            raise self.error(f"expected an integer >= {minimum}, got {v}", self._at(key))
+        return v
+
+    def num(self, key: str, *, nullable: bool = False) -> Any:
+        v = self._get(key, optional=False)
+        if v is None and nullable:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self.error(f"expected a number, got {_type_name(v)}", self._at(key))
+        if not math.isfinite(v) or v < 0:
+            raise self.error(f"expected a finite number >= 0, got {v}", self._at(key))
+        return float(v)
+
+    def obj_(self, key: str, *, nullable: bool = False) -> Any:
+        v = self._get(key, optional=False)
+        if v is None and nullable:
+            return None
+        return _Reader(self.origin, self._at(key), v)
+
+    def list(self, key: str, *, nullable: bool = False, optional: bool = False) -> Any:
+        v = self._get(key, optional=optional)
+        if v is None and (nullable or (optional and key not in self.obj)):
+            return None
+        if not isinstance(v, list):
+            raise self.error(f"expected a list, got {_type_name(v)}", self._at(key))
+        return v
+
+    def one_of(self, key: str, choices: Sequence[str]) -> str:
+        v = self.str(key)
+        if v not in choices:
+            raise self.error(f"expected one of {', '.join(choices)}, got {v!r}", self._at(key))
+        return v
+
+
+def _check_schema(data: Any, origin: str) -> None:
+    if not isinstance(data, dict):
+        raise UserError(f"{origin}: not an hloopt plan (expected a JSON object, got {_type_name(data)})")
+    if "schema" not in data:
+        raise UserError(f"{origin}: not an hloopt plan (no \"schema\" field)")
+    schema = data["schema"]
+    m = _SCHEMA_RE.match(schema) if isinstance(schema, str) else None
+    if m is None:
+        raise UserError(f"{origin}: not an hloopt plan (schema {schema!r}, expected {SCHEMA})")
+    version = int(m.group(1))
+    if version > SCHEMA_VERSION:
+        raise UserError(f"{origin}: schema {schema} is newer than this hloopt (reads {SCHEMA}); "
+                        "upgrade hloopt")
+    if version < SCHEMA_VERSION:
+        raise UserError(f"{origin}: schema {schema} is not supported (reads {SCHEMA})")
+
+
+def _parse_selector(r: _Reader) -> Selector:
+    kind = r.one_of("kind", SELECTOR_KINDS)
+    if kind == "name":
+        return Selector(kind="name", name=r.str("name"))
+    return Selector(kind="primitive", primitive=r.str("primitive"), source=r.str("source", nullable=True,
+                    optional=True), shape=r.str("shape", optional=True, nullable=True))
+
+
+def _parse_decision(r: _Reader) -> Decision:
+    values = r.list("values", optional=True) or []
+    for j, v in enumerate(values):
+        if not isinstance(v, str):
+            raise r.error(f"expected a string, got {_type_name(v)}", f"{r.path}.values[{j}]")
+    return Decision(
+        key=r.str("key"), name=r.str("name", nullable=True), selector=_parse_selector(r.obj_("selector")),
+        action=r.one_of("action", ACTIONS), bytes=r.int("bytes"), layers=r.int("layers"),
+        shape=r.str("shape", default=""), reason=r.str("reason", default=""), source=r.str("source", default=""),
+        values=tuple(values))
+
+
+def _parse_plan(data: Any, origin: str) -> Plan:
+    _check_schema(data, origin)
+    r = _Reader(origin, "", data)
+    device = r.obj_("device").obj
+    budget_r = r.obj_("budget", nullable=True)
+    budget = None if budget_r is None else Budget(spec=budget_r.str("spec"), bytes=budget_r.int("bytes"))
+    decisions = []
+    for i, d in enumerate(r.list("decisions")):
+        decisions.append(_parse_decision(_Reader(origin, f"decisions[{i}]", d)))
+    p = r.obj_("predicted")
+    predicted = Predicted(peak_bytes=p.int("peak_bytes"), step_time_s=p.num("step_time_s"),
+                          exposed_transfer_s=p.num("exposed_transfer_s"),
+                          baseline_peak_bytes=p.int("baseline_peak_bytes"),
+                          baseline_step_time_s=p.num("baseline_step_time_s"))
+    b = r.obj_("bounds")
+    bounds = Bounds(least_peak_bytes=b.int("least_peak_bytes"), least_step_time_s=b.num("least_step_time_s"))
+    s = r.obj_("solver")
+    solver = SolverInfo(name=s.str("name"), status=s.str("status"), gap=s.num("gap", nullable=True),
+                        time_s=s.num("time_s"))
+    pareto_raw = r.list("pareto", nullable=True, optional=True)
+    pareto = None
+    if pareto_raw is not None:
+        points = []
+        for i, pt in enumerate(pareto_raw):
+            pr = _Reader(origin, f"pareto[{i}]", pt)
+            acts = pr.obj_("actions").obj
+            for k, a in acts.items():
+                if a not in ACTIONS:
+                    raise pr.error(f"expected one of {', '.join(ACTIONS)}, got {a!r}", f"pareto[{i}].actions.{k}")
+            points.append(ParetoPoint(peak_bytes=pr.int("peak_bytes"), step_time_s=pr.num("step_time_s"),
+                                      actions=dict(acts)))
+        pareto = tuple(points)
+    try:
+        return Plan(target=r.str("target"), module=r.str("module"), device=device, budget=budget,
+                    mode=r.one_of("mode", MODES), decisions=tuple(decisions), predicted=predicted,
+                    bounds=bounds, solver=solver, pareto=pareto, schema=SCHEMA)
+    except UserError as err:
+        raise UserError(str(err).replace("<plan>", origin, 1)) from None
+
+
+def _check_semantics(plan: Plan, origin: str) -> None:
+    if plan.mode not in MODES:
+        raise UserError(f"{origin}: mode: expected one of {', '.join(MODES)}, got {plan.mode!r}")
+    seen: dict[str, int] = {}
+    name_action: dict[str, tuple[str, int]] = {}
+    for i, d in enumerate(plan.decisions):
+        where = f"{origin}: decisions[{i}]"
+        if d.action not in ACTIONS:
+            raise UserError(f"{where}.action: expected one of {', '.join(ACTIONS)}, got {d.action!r}")
+        if d.key in seen:
+            raise UserError(f"{where}.key: {d.key!r} repeats decisions[{seen[d.key]}]")
+        seen[d.key] = i
+        sel = d.selector
+        if sel.kind not in SELECTOR_KINDS:
+            raise UserError(f"{where}.selector.kind: expected one of {', '.join(SELECTOR_KINDS)}, got {sel.kind!r}")
+        if sel.kind == "name":
+            if sel.name is None:
+                raise UserError(f"{where}.selector: a name selector needs a name")
+            prev = name_action.get(sel.name)
+            if prev is not None and prev[0] != d.action:
+                raise UserError(f"{where}: checkpoint_name {sel.name!r} is both {prev[0]} "
+                                f"(decisions[{prev[1]}]) and {d.action}")
+            name_action[sel.name] = (d.action, i)
+        elif not sel.primitive:
+            raise UserError(f"{where}.selector: a primitive selector needs a primitive")
