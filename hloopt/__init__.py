@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["lower"]
+__all__ = ["lower", "policy"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,4 +14,8 @@ def __getattr__(name: str) -> Any:
         from hloopt.lowering import lower
 
         return lower
+    if name == "policy":
+        from hloopt.emit import policy
+
+        return policy
     raise AttributeError(f"module 'hloopt' has no attribute {name!r}")
