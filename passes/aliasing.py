@@ -1,0 +1,409 @@
+"""Values and buffers: which HLO positions share storage (XLA's HloDataflow/HloAliasAnalysis, simplified).
+
+A *position* is (instruction, shape index): every node of an instruction's shape, tuple nodes
+included (a tuple's own storage is its index table, 8 bytes per element). A position either
+*defines* a new value or *aliases* a position it takes its storage from. A *buffer* is a set of
+positions that must share one allocation; its size is its largest defining value.
+
+What aliases (everything else defines a value):
+
+* ``tuple`` {i,...} = operand i {...} (its {} is a fresh index table); ``get-tuple-element`` {...}
+  = operand {k,...}; ``bitcast``, ``opt-barrier``, ``domain``, ``add-dependency`` = operand 0.
+* ``while``: init, body parameter, body root, condition parameter and the while's result share one
+  buffer per shape index (the loop state); ``conditional``: each branch parameter = its operand,
+  the result = every branch root; ``call``: callee parameters = operands, result = callee root.
+* fusions allocate only their outputs (their computations are not visited), except in place:
+  a fusion whose root (or root tuple element) is ``dynamic-update-slice`` / ``scatter`` updating a
+  fusion parameter writes into that operand's buffer, as do unfused ``dynamic-update-slice`` /
+  ``scatter`` and custom-calls with ``output_to_operand_aliasing``. In-place sharing is skipped
+  when the operand is an entry parameter that is not donated (XLA would insert a copy).
+* the module's ``input_output_alias`` (donation): the output position and the parameter share.
+* async pairs: ``copy-start`` is (destination, source, context): {1} = the operand, {0} and {2}
+  are new; ``copy-done`` = start {0}. Generic ``async-start`` ((operands), outputs, context):
+  {0,k} = operand k; ``*-done`` = start {1} (or the start itself when it is not a tuple).
+
+Only computations reached from the entry through ``while``/``conditional``/``call`` are visited;
+reducers, fusion bodies and async-wrapped computations are code, not storage.
+
+Memory spaces come from the defining value's layout: 0 is device memory (HBM), ``S(5)`` host
+memory; other spaces (TPU VMEM ``S(1)``, SMEM ``S(2)``...) are on-chip scratch and counted apart.
+
+Invariant: every position of a visited instruction belongs to exactly one buffer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from hloopt.ir import HOST_MEMORY_SPACE, Computation, Instruction, Module, Shape
+from hloopt.passes import Analysis, AnalysisManager
+
+ShapeIndex = tuple[int, ...]
+
+#: opcodes whose whole shape is the operand's storage
+_PASS_THROUGH = frozenset({"bitcast", "opt-barrier", "optimization-barrier", "domain", "add-dependency"})
+#: opcodes updating operand 0 in place
+_IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
+#: control flow whose callees are visited (their instructions hold storage)
+CONTROL_FLOW = frozenset({"while", "conditional", "call"})
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Buffer:
+    """One allocation: positions that share storage."""
+
+    id: int
+    #: bytes of the allocation (largest defining value)
+    size_bytes: int
+    #: layout memory space: 0 device, 5 host, others on-chip scratch
+    memory_space: int
+    #: the defining position that names the buffer (entry computation preferred)
+    instruction: Instruction
+    index: ShapeIndex
+    shape: Shape
+    #: every defining position (instruction, shape index)
+    values: tuple[tuple[Instruction, ShapeIndex], ...]
+    #: entry parameter number when the buffer holds an entry parameter, else -1
+    parameter: int = -1
+    #: entry output indices this buffer is part of (empty: not a module output)
+    output_indices: tuple[ShapeIndex, ...] = ()
+
+    @property
+    def on_host(self) -> bool:
+        return self.memory_space == HOST_MEMORY_SPACE
+
+    @property
+    def on_device(self) -> bool:
+        return self.memory_space == 0
+
+    @property
+    def is_tuple_table(self) -> bool:
+        return self.shape.is_tuple
+
+    def __repr__(self) -> str:
+        idx = "{" + ",".join(map(str, self.index)) + "}"
+        return f"<Buffer {self.id} {self.instruction.name}{idx} {self.shape} {self.size_bytes}B>"
+
+
+@dataclass(eq=False)
+class Aliasing:
+    """Result of :class:`BufferAliasing`: the buffers and which buffer each position uses."""
+
+    module: Module
+    buffers: list[Buffer]
+    #: computations whose instructions hold storage (entry and control-flow callees)
+    computations: list[Computation]
+    #: per visited instruction, the buffer id of each of its positions (pre-order of its shape)
+    position_buffers: dict[Instruction, tuple[int, ...]] = field(default_factory=dict)
+
+    def buffer_at(self, inst: Instruction, index: ShapeIndex = ()) -> Buffer:
+        """The buffer holding ``inst`` at shape ``index``."""
+        return self.buffers[self.position_buffers[inst][_offsets(inst.shape)[1][index]]]
+
+    def buffers_of(self, inst: Instruction) -> list[Buffer]:
+        """Distinct buffers of every position of ``inst``."""
+        return [self.buffers[b] for b in dict.fromkeys(self.position_buffers[inst])]
+
+
+# Shape -> (indices in pre-order, index -> offset); shapes are interned by the parser.
+_OFFSETS: dict[Shape, tuple[list[ShapeIndex], dict[ShapeIndex, int]]] = {}
+
+
+def _offsets(shape: Shape) -> tuple[list[ShapeIndex], dict[ShapeIndex, int]]:
+    got = _OFFSETS.get(shape)
+    if got is None:
+        if not shape.is_tuple:
+            got = ([()], {(): 0})
+        else:
+            idx = [i for i, _ in shape.subshapes()]
+            got = (idx, {i: k for k, i in enumerate(idx)})
+        if len(_OFFSETS) < 200_000:
+            _OFFSETS[shape] = got
+    return got
+
+
+_IO_ALIAS = re.compile(r"\{([\d,\s]*)\}\s*:\s*\(\s*(\d+)\s*,\s*\{([\d,\s]*)\}")
+
+
+def _ints(text: str) -> ShapeIndex:
+    return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+
+
+@dataclass(frozen=True)
+class BufferAliasing(Analysis[Aliasing]):
+    """Group HLO positions into buffers (see the module docstring)."""
+
+    name: ClassVar[str] = "buffer-aliasing"
+    #: merge in-place updates (dynamic-update-slice/scatter roots, custom-call aliasing) into
+    #: their operand's buffer. XLA's alias analysis keeps them apart (buffer assignment shares
+    #: them later when the operand dies there; see Liveness(share=...)), so off by default.
+    in_place: bool = False
+
+    def run(self, module: Module, am: AnalysisManager) -> Aliasing:
+        return _Builder(module, in_place=self.in_place).build()
+
+
+class _Builder:
+    def __init__(self, module: Module, *, in_place: bool) -> None:
+        self.module = module
+        self.in_place = in_place
+        self.base: dict[Instruction, int] = {}
+        self.slot_inst: list[Instruction] = []
+        self.slot_index: list[ShapeIndex] = []
+        self.parent: list[int] = []
+        self.defines: list[bool] = []
+
+    # -- union-find ------------------------------------------------------------------------------
+    def find(self, s: int) -> int:
+        parent = self.parent
+        root = s
+        while parent[root] != root:
+            root = parent[root]
+        while parent[s] != root:
+            parent[s], s = root, parent[s]
+        return root
+
+    def union(self, a: int, b: int) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            if ra < rb:
+                self.parent[rb] = ra
+            else:
+                self.parent[ra] = rb
+
+    def slot(self, inst: Instruction, index: ShapeIndex = ()) -> int | None:
+        base = self.base.get(inst)
+        if base is None:
+            return None
+        off = _offsets(inst.shape)[1].get(index)
+        return None if off is None else base + off
+
+    def alias(self, inst: Instruction, index: ShapeIndex, src: Instruction, src_index: ShapeIndex) -> None:
+        """Position (inst, index) takes its storage from (src, src_index)."""
+        a, b = self.slot(inst, index), self.slot(src, src_index)
+        if a is None or b is None:
+            return
+        self.defines[a] = False
+        self.union(a, b)
+
+    def alias_all(self, inst: Instruction, src: Instruction, prefix: ShapeIndex = ()) -> None:
+        for idx in _offsets(inst.shape)[0]:
+            self.alias(inst, idx, src, prefix + idx)
+
+    def share(self, a_inst: Instruction, a_idx: ShapeIndex, b_inst: Instruction, b_idx: ShapeIndex) -> None:
+        """Both positions keep defining values but share one buffer (loop state, branch results)."""
+        a, b = self.slot(a_inst, a_idx), self.slot(b_inst, b_idx)
+        if a is not None and b is not None:
+            self.union(a, b)
+
+    # -- build -----------------------------------------------------------------------------------
+    def visited_computations(self) -> list[Computation]:
+        entry = self.module.entry
+        if entry is None:
+            return []
+        seen: dict[Computation, None] = {entry: None}
+        stack = [entry]
+        while stack:
+            comp = stack.pop()
+            for inst in comp.instructions:
+                if inst.opcode in CONTROL_FLOW:
+                    for callee in inst.called_computations:
+                        if callee not in seen:
+                            seen[callee] = None
+                            stack.append(callee)
+        return list(seen)
+
+    def build(self) -> Aliasing:
+        comps = self.visited_computations()
+        for comp in comps:
+            for inst in comp.instructions:
+                indices = _offsets(inst.shape)[0]
+                self.base[inst] = len(self.slot_inst)
+                for idx in indices:
+                    n = len(self.slot_inst)
+                    self.slot_inst.append(inst)
+                    self.slot_index.append(idx)
+                    self.parent.append(n)
+                    self.defines.append(True)
+        entry = self.module.entry
+        for comp in comps:
+            for inst in comp.instructions:
+                self.visit(inst)
+        if entry is not None and entry.root is not None:
+            self.donations(entry)
+        return self.collect(comps)
+
+    def visit(self, inst: Instruction) -> None:
+        op = inst.opcode
+        ops = inst.operands
+        if op == "get-tuple-element" and ops:
+            self.alias_all(inst, ops[0], (inst.tuple_index,))
+        elif op == "tuple":
+            for k, o in enumerate(ops):
+                for idx in _offsets(o.shape)[0]:
+                    self.alias(inst, (k,) + idx, o, idx)
+        elif op in _PASS_THROUGH and ops:
+            self.alias_all(inst, ops[0])
+        elif op == "while" and ops:
+            init = ops[0]
+            body = inst.called.get("body", [None])[0]
+            cond = inst.called.get("condition", [None])[0]
+            self.alias_all(inst, init)
+            for comp in (body, cond):
+                if comp is not None and comp.parameters:
+                    self.alias_all(comp.parameters[0], init)
+            if body is not None and body.root is not None:
+                for idx in _offsets(inst.shape)[0]:
+                    self.share(inst, idx, body.root, idx)
+        elif op == "conditional":
+            for k, branch in enumerate(inst.called.get("branch_computations", [])):
+                if branch.parameters and k + 1 < len(ops):
+                    self.alias_all(branch.parameters[0], ops[k + 1])
+                if branch.root is not None:
+                    for idx in _offsets(inst.shape)[0]:
+                        self.share(inst, idx, branch.root, idx)
+        elif op == "call":
+            for callee in inst.called.get("calls", []) or inst.called.get("to_apply", []):
+                for p in callee.parameters:
+                    if p.parameter_number < len(ops):
+                        self.alias_all(p, ops[p.parameter_number])
+                if callee.root is not None:
+                    self.alias_all(inst, callee.root)
+        elif op == "copy-start" and ops:
+            self.alias(inst, (1,), ops[0], ())
+        elif op.endswith("-start") and ops and inst.shape.is_tuple:
+            first = inst.shape.tuple_shapes[0]
+            if first.is_tuple and len(ops) > 1:
+                for k, o in enumerate(ops):
+                    for idx in _offsets(o.shape)[0]:
+                        self.alias(inst, (0, k) + idx, o, idx)
+            elif len(ops) == 1 or op != "async-start":
+                for idx in _offsets(ops[0].shape)[0]:
+                    self.alias(inst, (0,) + idx, ops[0], idx)
+        elif op == "async-update" and ops:
+            self.alias_all(inst, ops[0])
+        elif op.endswith("-done") and ops:
+            start = ops[0]
+            if start.shape.is_tuple and len(start.shape.tuple_shapes) >= 2:
+                src = (0,) if start.opcode == "copy-start" else (1,)
+                self.alias_all(inst, start, src)
+            else:
+                self.alias_all(inst, start)
+        elif self.in_place:
+            self.visit_in_place(inst)
+
+    def visit_in_place(self, inst: Instruction) -> None:
+        op = inst.opcode
+        if op in _IN_PLACE and inst.operands and not inst.shape.is_tuple:
+            self.share_in_place(inst, (), inst.operands[0])
+        elif op == "fusion":
+            comp = (inst.called.get("calls") or [None])[0]
+            if comp is None or comp.root is None:
+                return
+            root = comp.root
+            outs = list(enumerate(root.operands)) if root.opcode == "tuple" else [(None, root)]
+            for k, out in outs:
+                out = _through_bitcasts(out)
+                if out.opcode in _IN_PLACE and out.operands:
+                    src = _through_bitcasts(out.operands[0])
+                    if src.opcode == "parameter" and 0 <= src.parameter_number < len(inst.operands):
+                        operand = inst.operands[src.parameter_number]
+                        if operand.shape.byte_size >= (inst.shape.at((k,)) if k is not None else inst.shape).byte_size:
+                            self.share_in_place(inst, () if k is None else (k,), operand)
+        elif op == "custom-call" and "output_to_operand_aliasing" in inst.attrs:
+            for out_idx, k, op_idx in _IO_ALIAS.findall(inst.attrs["output_to_operand_aliasing"]):
+                k_ = int(k)
+                if k_ < len(inst.operands):
+                    self.share_in_place(inst, _ints(out_idx), inst.operands[k_], _ints(op_idx))
+
+    def share_in_place(self, inst: Instruction, index: ShapeIndex, operand: Instruction,
+                       operand_index: ShapeIndex = ()) -> None:
+        b = self.slot(operand, operand_index)
+        if b is None:
+            return
+        if self._holds_undonated_parameter(self.find(b)):
+            return
+        self.share(inst, index, operand, operand_index)
+
+    def _holds_undonated_parameter(self, root: int) -> bool:
+        # Cheap check through the root's defining instruction chain: walk the slots only once.
+        if not hasattr(self, "_param_roots"):
+            entry = self.module.entry
+            donated = {a.parameter_number for a in self.module.input_output_alias}
+            self._param_roots: list[tuple[int, bool]] = []
+            if entry is not None:
+                for p in entry.parameters:
+                    s = self.base.get(p)
+                    if s is not None:
+                        for off in range(len(_offsets(p.shape)[0])):
+                            self._param_roots.append((s + off, p.parameter_number in donated))
+        return any(not d and self.find(s) == root for s, d in self._param_roots)
+
+    def donations(self, entry: Computation) -> None:
+        root = entry.root
+        assert root is not None
+        params = {p.parameter_number: p for p in entry.parameters}
+        for a in self.module.input_output_alias:
+            p = params.get(a.parameter_number)
+            if p is not None:
+                self.share(root, a.output_index, p, a.parameter_index)
+
+    def collect(self, comps: list[Computation]) -> Aliasing:
+        n = len(self.slot_inst)
+        find = self.find
+        roots = [find(s) for s in range(n)]
+        bid: dict[int, int] = {}
+        members_def: list[list[int]] = []
+        for s in range(n):
+            r = roots[s]
+            b = bid.get(r)
+            if b is None:
+                b = bid[r] = len(members_def)
+                members_def.append([])
+            if self.defines[s]:
+                members_def[b].append(s)
+        entry = self.module.entry
+        param_of: dict[int, int] = {}
+        outputs: dict[int, list[ShapeIndex]] = {}
+        if entry is not None:
+            for p in entry.parameters:
+                base = self.base[p]
+                for off in range(len(_offsets(p.shape)[0])):
+                    param_of.setdefault(bid[roots[base + off]], p.parameter_number)
+            if entry.root is not None:
+                base = self.base[entry.root]
+                for off, idx in enumerate(_offsets(entry.root.shape)[0]):
+                    outputs.setdefault(bid[roots[base + off]], []).append(idx)
+        buffers: list[Buffer] = []
+        inst_of, index_of = self.slot_inst, self.slot_index
+        for b, defs in enumerate(members_def):
+            if not defs:  # only aliases of something outside the visited code (should not happen)
+                defs = [s for s in range(n) if bid[roots[s]] == b][:1]
+            main = defs[0]
+            for s in defs:
+                if inst_of[s].parent is entry:
+                    main = s
+                    break
+            main_shape = inst_of[main].shape.at(index_of[main])
+            size = max(inst_of[s].shape.at(index_of[s]).byte_size for s in defs) if len(defs) > 1 \
+                else main_shape.byte_size
+            buffers.append(Buffer(
+                id=b, size_bytes=size, memory_space=main_shape.memory_space,
+                instruction=inst_of[main], index=index_of[main], shape=main_shape,
+                values=tuple((inst_of[s], index_of[s]) for s in defs),
+                parameter=param_of.get(b, -1), output_indices=tuple(outputs.get(b, ())),
+            ))
+        position_buffers = {inst: tuple(bid[roots[base + k]] for k in range(len(_offsets(inst.shape)[0])))
+                            for inst, base in self.base.items()}
+        return Aliasing(self.module, buffers, comps, position_buffers)
+
+
+def _through_bitcasts(inst: Instruction) -> Instruction:
+    while inst.opcode in ("bitcast", "reshape") and inst.operands:
+        inst = inst.operands[0]
+    return inst
+
+
+__all__ = ["Aliasing", "Buffer", "BufferAliasing", "CONTROL_FLOW", "ShapeIndex"]

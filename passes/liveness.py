@@ -1,0 +1,331 @@
+"""Live ranges of buffers over a flattened schedule (XLA's HloLiveRange, simplified).
+
+The schedule of the module is *flattened* into one sequence of steps: the entry computation's
+sequence where each ``while``/``conditional``/``call`` is preceded by the sequences of its callees
+(condition, then body; each branch in turn). A step is one instruction; its time is its position
+in the flat sequence. A callee is flattened once (its first call site), as XLA does, so a while
+body stands for one iteration, and the peak inside a callee is the peak at its call site.
+
+A buffer's live range is the closed interval [start, end] of steps:
+
+* start: the earliest step of a position holding it (its defining instruction; for loop state
+  the init value's definition); entry parameters start at step 0;
+* end: the latest step that holds or reads it (a user of any of its positions; the while
+  instruction for loop state); entry outputs and entry parameters end at the last step.
+
+::
+
+    step:          0    1    2    3    4    5    6 (root)
+    param p        [==============================]   parameters: whole program
+    a = f(p)            [=========]                   a: defined at 1, last read at 3
+    b = g(a)                 [====]                   b and a overlap at 2 and 3
+    c = h(a, b)                   [=====]             an operand and its user's result
+    out = k(c)                          [=========]   outputs: until the end
+                       (a value being read and the value being written are both counted
+                        at the step: the no-sharing bound, which XLA's live-range dump uses)
+
+With ``materialize="tpu-fusion"`` (pre-optimization modules), instructions XLA will fuse into
+their consumers (elementwise chains, broadcasts, converts, reshapes...; see
+:func:`fused_away`) hold no buffer: their readers read the fused instruction's inputs instead,
+so the inputs live until the last reader of anything fused from them.
+
+Invariants: start <= end for every buffer; a buffer is live at every step between the definition
+and each use of each of its positions; the flat sequence contains each instruction of every
+visited computation exactly once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import ClassVar, Iterator
+
+from hloopt.ir import Computation, Instruction, Module, Shape
+from hloopt.passes import Analysis, AnalysisManager
+from hloopt.passes.aliasing import CONTROL_FLOW, Aliasing, Buffer, BufferAliasing
+from hloopt.passes.schedule import Schedule
+
+MATERIALIZE: tuple[str, ...] = ("all", "tpu-fusion")
+
+#: readers that only forward storage: their own positions are in the same buffer and carry the
+#: range on through their readers, so they do not read the operand themselves
+_FORWARDS = frozenset({"get-tuple-element", "tuple", "bitcast", "opt-barrier", "optimization-barrier",
+                       "domain", "while", "conditional", "call"})
+
+#: elementwise and data-movement ops that XLA fuses into their consumers
+_FUSIBLE = frozenset({
+    "abs", "add", "and", "atan2", "broadcast", "cbrt", "ceil", "clamp", "compare", "complex",
+    "convert", "cos", "divide", "exp", "expm1", "floor", "imag", "iota", "is-finite", "log",
+    "log1p", "logistic", "maximum", "minimum", "multiply", "negate", "not", "or", "popcnt", "power",
+    "real", "reduce-precision", "remainder", "reshape", "round-nearest-afz", "round-nearest-even",
+    "rsqrt", "select", "shift-left", "shift-right-arithmetic", "shift-right-logical", "sign", "sin",
+    "slice", "sqrt", "subtract", "tan", "tanh", "transpose", "xor", "bitcast", "bitcast-convert",
+    "erf", "pad", "reverse", "constant", "stochastic-convert",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class LiveRange:
+    """One buffer's live interval over the flat schedule."""
+
+    buffer: Buffer
+    start: int
+    end: int
+
+    @property
+    def size_bytes(self) -> int:
+        return self.buffer.size_bytes
+
+
+@dataclass(eq=False)
+class LiveRanges:
+    """Result of :class:`Liveness`."""
+
+    module: Module
+    aliasing: Aliasing
+    #: the flat schedule: one instruction per step
+    steps: list[Instruction]
+    #: step of each scheduled instruction
+    time: dict[Instruction, int]
+    #: per buffer id: first and last live step (-1 for buffers that hold nothing, e.g. fused away)
+    start: list[int]
+    end: list[int]
+    #: per buffer id: bytes counted (0 for fused-away positions)
+    size_bytes: list[int]
+    #: per step: the entry-computation instruction index it belongs to (callee steps map to
+    #: their call site)
+    entry_step: list[int]
+    #: control-flow instruction -> (first, last) step of its callees' flattened sequences
+    segments: dict[Instruction, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        return self.aliasing.buffers
+
+    def ranges(self) -> Iterator[LiveRange]:
+        """Every buffer that holds bytes, with its interval."""
+        for b in self.aliasing.buffers:
+            if self.start[b.id] >= 0 and self.size_bytes[b.id] > 0:
+                yield LiveRange(b, self.start[b.id], self.end[b.id])
+
+    def live_at(self, step: int) -> list[LiveRange]:
+        return [r for r in self.ranges() if r.start <= step <= r.end]
+
+    def bytes_per_step(self, *, memory_space: int = 0) -> list[int]:
+        """Bytes live at each step in one memory space (0: device, 5: host)."""
+        diff = [0] * (len(self.steps) + 1)
+        for b in self.aliasing.buffers:
+            s = self.start[b.id]
+            if s < 0 or b.memory_space != memory_space:
+                continue
+            size = self.size_bytes[b.id]
+            diff[s] += size
+            diff[self.end[b.id] + 1] -= size
+        return list(accumulate(diff[:-1]))
+
+    def entry_timeline(self, per_step: list[int]) -> list[int]:
+        """Fold a per-step series onto entry steps: the max over each call site's callees."""
+        entry = self.module.entry
+        out = [0] * (len(entry.instructions) if entry is not None else 0)
+        for t, v in enumerate(per_step):
+            e = self.entry_step[t]
+            if v > out[e]:
+                out[e] = v
+        return out
+
+    def unrolled(self) -> Iterator[tuple[int, int]]:
+        """(step, iteration) with every while body repeated by its known trip count.
+
+        Steps outside loop bodies have iteration 0. Loops without ``known_trip_count`` run once.
+        Nested loops repeat inside each outer iteration.
+        """
+        body_spans: dict[int, tuple[int, int]] = {}  # first step of a body -> (last, trips)
+        for inst, _ in self.segments.items():
+            if inst.opcode == "while":
+                body = (inst.called.get("body") or [None])[0]
+                steps = [self.time[i] for i in body.instructions] if body is not None else []
+                if steps:
+                    body_spans[min(steps)] = (max(steps), trip_count(inst) or 1)
+
+        def walk(lo: int, hi: int, it: int) -> Iterator[tuple[int, int]]:
+            t = lo
+            while t <= hi:
+                span = body_spans.get(t)
+                if span is not None:
+                    last, trips = span
+                    for k in range(trips):
+                        yield from walk_body(t, last, k)
+                    t = last + 1
+                else:
+                    yield t, it
+                    t += 1
+
+        def walk_body(lo: int, hi: int, k: int) -> Iterator[tuple[int, int]]:
+            # the body's own first step is not re-entered as a loop start
+            yield lo, k
+            yield from walk(lo + 1, hi, k)
+
+        yield from walk(0, len(self.steps) - 1, 0)
+
+
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+
+
+def trip_count(inst: Instruction) -> int | None:
+    """A while loop's ``known_trip_count`` from its backend_config, if XLA recorded it."""
+    m = _TRIP.search(inst.attrs.get("backend_config", ""))
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class Liveness(Analysis[LiveRanges]):
+    """Live range of every buffer over the flattened schedule (see the module docstring)."""
+
+    name: ClassVar[str] = "liveness"
+    #: "module" (text order = the schedule of a scheduled module) or "list" (memory-aware)
+    schedule: str = "module"
+    #: "all": every buffer is materialized; "tpu-fusion": model XLA's fusion of cheap ops
+    materialize: str = "all"
+
+    def run(self, module: Module, am: AnalysisManager) -> LiveRanges:
+        from hloopt.errors import UserError
+
+        if self.materialize not in MATERIALIZE:
+            raise UserError(f"unknown materialize {self.materialize!r}: expected one of {', '.join(MATERIALIZE)}")
+        aliasing = am.get(BufferAliasing())
+        sched = am.get(Schedule(kind=self.schedule))
+        entry = module.entry
+        if entry is None:
+            raise UserError(f"module {module.name} has no entry computation")
+
+        steps: list[Instruction] = []
+        entry_step: list[int] = []
+        segments: dict[Instruction, tuple[int, int]] = {}
+        flattened: set[Computation] = set()
+
+        def flatten(comp: Computation, site: int | None) -> None:
+            flattened.add(comp)
+            for k, inst in enumerate(sched.sequence(comp)):
+                here = k if site is None else site
+                if inst.opcode in CONTROL_FLOW:
+                    first = len(steps)
+                    callees = inst.called.get("condition", []) + inst.called.get("body", []) + \
+                        inst.called.get("branch_computations", []) + inst.called.get("calls", []) + \
+                        (inst.called.get("to_apply", []) if inst.opcode == "call" else [])
+                    for callee in callees:
+                        if callee not in flattened:
+                            flatten(callee, here)
+                    if len(steps) > first:
+                        segments[inst] = (first, len(steps) - 1)
+                steps.append(inst)
+                entry_step.append(here)
+
+        flatten(entry, None)
+        time = {inst: t for t, inst in enumerate(steps)}
+        last = len(steps) - 1
+
+        fused = fused_away(aliasing, time) if self.materialize == "tpu-fusion" else set()
+        # Last step reading each instruction; a fused-away reader reads on behalf of its readers.
+        last_read: dict[Instruction, int] = {}
+        for inst in reversed(steps):
+            t = time[inst]
+            lr = t
+            for u in inst.users:
+                tu = time.get(u)
+                if tu is None or u.opcode in _FORWARDS:
+                    continue
+                if u in fused:
+                    tu = max(tu, last_read.get(u, tu))
+                if tu > lr:
+                    lr = tu
+            last_read[inst] = lr
+
+        n = len(aliasing.buffers)
+        start = [-1] * n
+        end = [-1] * n
+        for inst, bids in aliasing.position_buffers.items():
+            t = time.get(inst)
+            if t is None or inst in fused:
+                continue
+            e = last_read[inst]
+            for b in bids:
+                if start[b] < 0 or t < start[b]:
+                    start[b] = t
+                if e > end[b]:
+                    end[b] = e
+            if inst.opcode == "get-tuple-element" and inst.operands:
+                # reading an element reads the operand's index table
+                b = aliasing.position_buffers.get(inst.operands[0], (None,))[0]
+                if b is not None and t > end[b]:
+                    end[b] = t
+        sizes = [0] * n
+        for b in aliasing.buffers:
+            if start[b.id] < 0:
+                continue
+            sizes[b.id] = b.size_bytes
+            if b.parameter >= 0:
+                start[b.id] = 0
+                end[b.id] = last
+            if b.output_indices:
+                end[b.id] = last
+        return LiveRanges(module, aliasing, steps, time, start, end, sizes, entry_step, segments)
+
+
+def fused_away(aliasing: Aliasing, time: dict[Instruction, int]) -> set[Instruction]:
+    """Instructions of a pre-optimization module that XLA would fuse into all their readers.
+
+    An instruction is fused away when it is a cheap elementwise/data-movement op (not a module
+    output, not loop state) and none of its readers is a control-flow instruction, a tuple or the
+    root, which need a materialized buffer. A reshape/transpose/broadcast of an entry parameter
+    reads the parameter in place. Scalars and constants are always fused.
+    """
+    entry = aliasing.module.entry
+    out: set[Instruction] = set()
+    for inst in time:
+        if inst.opcode not in _FUSIBLE or inst.shape.is_tuple or inst.is_root:
+            continue
+        if any(u.opcode in CONTROL_FLOW or u.opcode == "tuple" or u.is_root or u.opcode == "parameter"
+               for u in inst.users):
+            # Feeding loop state or the output: XLA materializes the last fused op there, unless
+            # it is a scalar or a constant.
+            if inst.shape.num_elements > 1 and inst.opcode != "constant":
+                continue
+        if entry is not None and inst.parent is not entry and inst.parent is not None \
+                and inst.parent.root is inst:
+            continue
+        out.add(inst)
+    return out
+
+
+def tpu_tiled_bytes(shape: Shape) -> int:
+    """Bytes of an array in TPU's default tiled layout: (8, 128) tiles on the two minor dims.
+
+    A pre-optimization module has no layouts; TPU pads the minor dimension to 128 elements and
+    the second-minor to 8 (rank >= 2), rank <= 1 arrays to 128 elements, with 512-byte minimum
+    allocations. Sub-32-bit types pack rows ((8,128)(2,1) tiles), which keeps the (8,128) padding.
+    """
+    if shape.is_tuple:
+        return 8 * len(shape.tuple_shapes)
+    from hloopt.ir import STORAGE_BITS
+
+    bits = STORAGE_BITS.get(shape.element_type, 32)
+    if bits == 0:
+        return 0
+    dims = [max(d, 0) for d in shape.dims]
+    if len(dims) >= 2:
+        major = 1
+        for d in dims[:-2]:
+            major *= d
+        n = major * (-(-dims[-2] // 8) * 8) * (-(-dims[-1] // 128) * 128)
+    else:
+        n = -(-(dims[0] if dims else 1) // 128) * 128
+    return max(512, (n * bits + 7) // 8)
+
+
+__all__ = ["LiveRange", "LiveRanges", "Liveness", "MATERIALIZE", "fused_away", "tpu_tiled_bytes",
+           "trip_count"]
