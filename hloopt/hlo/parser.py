@@ -98,6 +98,9 @@ class _Parser:
         self._inline: list[Computation] = []
         #: Anonymous instructions nested in operand lists, waiting to join the computation.
         self._nested: list[Instruction] = []
+        #: Bracket pairs found by a slow balanced() scan (open offset -> offset past the close),
+        #: so nested groups are not rescanned (deeply nested input stays linear).
+        self._match: dict[int, int] = {}
         self._anon = 0
 
     # -- errors -----------------------------------------------------------------------------
@@ -130,6 +133,10 @@ class _Parser:
         m = _FLAT_BRACES.match(text, pos)
         if m is not None:
             return m.end()
+        known = self._match.get(pos)
+        if known is not None:
+            return known
+        match = self._match
         stack = []
         p = pos
         n = self.n
@@ -144,7 +151,7 @@ class _Parser:
                     raise self.error(p, f"unbalanced {c!r}" + (
                         f": expected {stack[-1][0]!r} to close {text[stack[-1][1]]!r}"
                         if stack else ""))
-                stack.pop()
+                match[stack.pop()[1]] = p + 1
                 if not stack:
                     return p + 1
             elif c == '"' and (len(tok) == 1 or tok[-1] != '"'):
