@@ -18,6 +18,8 @@ COMMANDS: dict[str, str] = {
     "inspect": "inspect_cmd:inspect",
     "devices": "devices_cmd:devices",
     "calibrate": "calibrate_cmd:calibrate",
+    "verify": "verify_cmd:verify",
+    "emit": "emit_cmd:emit",
 }
 
 
