@@ -281,6 +281,8 @@ CALLED_COMPUTATION_ATTRS: dict[str, str] = {
     "false_computation": "branch_computations",
     "called_computations": "calls",
     "async_wrapped_computation": "calls",
+    "select": "select",
+    "scatter": "scatter",
 }
 
 
