@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "calibrate": "calibrate_cmd:calibrate",
     "verify": "verify_cmd:verify",
     "emit": "emit_cmd:emit",
+    "report": "report_cmd:report",
+    "diff": "diff_cmd:diff",
 }
 
 

@@ -46,8 +46,11 @@ def make_console(*, file: IO[str] | None = None, quiet: bool = False, width: int
                  stderr: bool = False) -> Console:
     """A console that colors only a real terminal, honors ``NO_COLOR``, and is silent if ``quiet``."""
     no_color = True if os.environ.get("NO_COLOR") else None
-    return Console(file=file, stderr=stderr, quiet=quiet, width=width, no_color=no_color,
-                   highlight=False, force_terminal=None, soft_wrap=False)
+    con = Console(file=file, stderr=stderr, quiet=quiet, width=width, no_color=no_color,
+                  highlight=False, force_terminal=None, soft_wrap=False)
+    if width is None and not con.is_terminal and "COLUMNS" not in os.environ:
+        con.width = 120  # piped output: rich's default of 80 columns would fold paths and op names
+    return con
 
 
 @contextlib.contextmanager
@@ -238,3 +241,58 @@ def _label(data: ReportData, step: int) -> str:
 
 def _signed_bytes(n: int) -> str:
     return ("+" if n >= 0 else "-") + format_bytes(abs(n))
+
+
+def diff_tables(diff: Any, *, limit: int = 15) -> list[Table]:
+    """Tables for a :class:`hloopt.diff.MemoryDiff`: peaks, categories, host moves, buffers, decisions."""
+    a, b = diff.a, diff.b
+    out: list[Table] = []
+    t = _table()
+    t.add_column("")
+    t.add_column("A", justify="right")
+    t.add_column("B", justify="right")
+    t.add_column("change", justify="right")
+    t.add_row("file", a.label, b.label, "")
+    t.add_row("peak", format_bytes(a.peak_bytes), format_bytes(b.peak_bytes), _signed_bytes(diff.peak_delta_bytes))
+    for cat, (va, vb) in diff.categories.items():
+        t.add_row(f"  {cat} at peak", format_bytes(va), format_bytes(vb), _signed_bytes(vb - va))
+    ha, hb = sum(x.bytes for x in a.host_buffers), sum(x.bytes for x in b.host_buffers)
+    if ha or hb:
+        t.add_row("host memory (S(5))", format_bytes(ha), format_bytes(hb), _signed_bytes(hb - ha))
+    if a.step_time_s is not None or b.step_time_s is not None:
+        t.add_row("step time", format_seconds(a.step_time_s) if a.step_time_s is not None else "-",
+                  format_seconds(b.step_time_s) if b.step_time_s is not None else "-", "")
+    if a.model or b.model:
+        t.add_row("memory figures", a.model or "plan prediction", b.model or "plan prediction", "")
+    for side, name in ((a, "A"), (b, "B")):
+        if side.num_partitions > 1:
+            t.add_row(f"devices ({name})", "", f"{side.num_partitions}, mesh "
+                      + ("x".join(map(str, side.mesh)) or "?") + "; per device", "")
+    out.append(t)
+    if diff.moved_to_host:
+        m = _table("Moved to host memory in B")
+        for col, j in (("buffer in B", "left"), ("shape", "left"), ("bytes", "right"), ("on device in A", "left")):
+            m.add_column(col, justify=j)  # type: ignore[arg-type]
+        for c in diff.moved_to_host:
+            m.add_row(c.b.name, c.b.shape, format_bytes(c.b.bytes), c.a.name if c.a else "-")
+        out.append(m)
+    if diff.buffer_changes:
+        bt = _table("Largest live buffers at the peak that changed")
+        for col, j in (("", "left"), ("buffer", "left"), ("shape", "left"), ("A", "right"), ("B", "right"),
+                       ("op", "left")):
+            bt.add_column(col, justify=j, overflow="fold")  # type: ignore[arg-type]
+        for c in list(diff.buffer_changes)[:limit]:
+            x = c.b or c.a
+            bt.add_row(c.status, x.name, x.shape, format_bytes(c.a.bytes) if c.a else "-",
+                       format_bytes(c.b.bytes) if c.b else "-", x.op_name or "-")
+        if len(diff.buffer_changes) > limit:
+            bt.add_row(f"... {len(diff.buffer_changes) - limit} more", "", "", "", "", "")
+        out.append(bt)
+    if diff.decision_changes:
+        dt = _table("Residual decisions that changed")
+        for col in ("residual", "A", "B", "bytes"):
+            dt.add_column(col, justify="right" if col == "bytes" else "left")
+        for d in diff.decision_changes:
+            dt.add_row(d.key, d.a_action or "-", d.b_action or "-", format_bytes(d.bytes))
+        out.append(dt)
+    return out
