@@ -56,6 +56,11 @@ def _is_dot(c: Candidate) -> bool:
     return c.primitive == "dot_general"
 
 
+def _is_dot_or_conv(c: Candidate) -> bool:
+    # jax's dots_saveable saves dot_general and conv_general_dilated outputs.
+    return c.primitive in ("dot_general", "conv_general_dilated")
+
+
 def _names(names: frozenset[str], action: Action) -> Callable[[Candidate], Action]:
     return lambda c: action if c.name in names else Action.REMAT
 
@@ -66,7 +71,7 @@ ANCHORS: tuple[Anchor, ...] = (
     Anchor("nothing_saveable", "jax", "jax.checkpoint_policies.nothing_saveable",
            lambda c: Action.REMAT),
     Anchor("dots_saveable", "jax", "jax.checkpoint_policies.dots_saveable",
-           lambda c: Action.DEVICE if _is_dot(c) else Action.REMAT),
+           lambda c: Action.DEVICE if _is_dot_or_conv(c) else Action.REMAT),
     Anchor("dots_with_no_batch_dims_saveable", "jax",
            "jax.checkpoint_policies.dots_with_no_batch_dims_saveable",
            lambda c: Action.DEVICE if _is_dot(c) and not c.dot_has_batch_dims else Action.REMAT),

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "emit": "emit_cmd:emit",
     "report": "report_cmd:report",
     "diff": "diff_cmd:diff",
+    "plan": "plan_cmd:plan",
 }
 
 

@@ -1,0 +1,128 @@
+"""``hloopt plan TARGET --device tpu-v5e --budget 75%``: the decision table, figures and the policy."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from hloopt.cli.params import Percent, device_options, profile_from_options
+
+
+@click.command()
+@click.argument("target")
+@device_options
+@click.option("--budget", default=None,
+              help="Device memory to fit: a size (12GiB) or a share of the all-on-device peak (75%).")
+@click.option("--max-slowdown", type=Percent(), default=None,
+              help="Least peak with the step at most this much slower (3%).")
+@click.option("--pareto", is_flag=True, help="The frontier of peak vs step time.")
+@click.option("--solver", type=click.Choice(["auto", "milp", "heuristic"]), default="auto", show_default=True)
+@click.option("--time-limit", "time_limit_s", type=float, default=30.0, show_default=True,
+              help="Seconds the MILP solver may take.")
+@click.option("--platform", type=click.Choice(["tpu", "cuda", "cpu"]), default=None,
+              help="Platform to lower for (default: the device's).")
+@click.option("--compile", "compile_target", default=None,
+              help="Plan on the compiler's scheduled HLO (cpu, tpu-v5e, ...) instead of the lowered one.")
+@click.option("--size", default=None, help="Size passed to a zoo factory (tiny, small, large).")
+@click.option("--out", "out_path", default=None, help="Write plan.json here.")
+@click.option("--emit", "emit_format", type=click.Choice(["python", "maxtext", "json"]), default="python",
+              show_default=True, help="What to print after the tables.")
+@click.option("--html", "html_path", default=None, help="Also write an HTML report.")
+@click.option("--force", is_flag=True, help="Overwrite files hloopt did not write.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bool, solver: str,
+         time_limit_s: float, platform: str | None, compile_target: str | None, size: str | None,
+         out_path: str | None, emit_format: str, html_path: str | None, force: bool, as_json: bool,
+         quiet: bool, **device_kw: object) -> int:
+    """Plan what to offload (or recompute) so TARGET fits the budget at the least step time."""
+    from hloopt import pipeline
+    from hloopt.report.terminal import make_console, progress
+
+    from hloopt.units import parse_budget
+
+    if budget is not None:
+        parse_budget(budget)  # a malformed budget is one line before any work
+    budget_spec = budget
+    profile = profile_from_options(**device_kw)  # type: ignore[arg-type]
+    console = make_console(quiet=quiet or as_json)
+
+    def prog(label: str):  # type: ignore[no-untyped-def]
+        return progress(label, console=console, quiet=quiet or as_json)
+
+    outcome = pipeline.plan(target, profile=profile, budget=budget_spec, max_slowdown=max_slowdown,
+                            pareto=pareto, platform=platform, compile=compile_target, solver=solver,
+                            time_limit_s=time_limit_s, size=size, progress=prog)
+    text = outcome.plan.to_json()
+    if out_path:
+        from hloopt.fileio import write_text_atomic
+
+        write_text_atomic(out_path, text, force=force)
+    if html_path:
+        from hloopt.fileio import write_text_atomic
+        from hloopt.report.adapt import report_data_from_outcome
+        from hloopt.report.html import render_html
+
+        write_text_atomic(html_path, render_html(report_data_from_outcome(outcome)), force=force)
+    if as_json:
+        sys.stdout.write(text)
+        return 0
+    _print_outcome(outcome, console)
+    if emit_format == "python":
+        from hloopt.emit import python_snippet
+
+        console.print("\n[bold]Policy[/bold] (paste into your jax.checkpoint):")
+        click.echo(python_snippet(outcome.plan))
+    elif emit_format == "maxtext":
+        from hloopt.emit import maxtext_yaml
+
+        console.print("\n[bold]MaxText config[/bold]:")
+        click.echo(maxtext_yaml(outcome.plan, strict=False))
+    else:
+        click.echo(text)
+    if out_path:
+        console.print(f"wrote {out_path}")
+    if html_path:
+        console.print(f"wrote {html_path}")
+    return 0
+
+
+def _print_outcome(outcome: object, console: object) -> None:
+    from rich.table import Table
+
+    from hloopt.units import format_bytes, format_seconds
+
+    o = outcome  # type: ignore[assignment]
+    p = o.plan  # type: ignore[attr-defined]
+    t = Table(title=f"Plan for {p.module} on {o.problem.device}", title_justify="left")  # type: ignore[attr-defined]
+    for col, just in (("candidate", "left"), ("selects", "left"), ("shape", "left"), ("layers", "right"),
+                      ("bytes", "right"), ("action", "left"), ("reason", "left")):
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for d in p.decisions:
+        style = {"offload": "cyan", "remat": "yellow"}.get(d.action, "")
+        t.add_row(d.key, (f"name {d.name}" if d.name else d.selector.primitive or ""), d.shape, str(d.layers),
+                  format_bytes(d.bytes), f"[{style}]{d.action}[/{style}]" if style else d.action, d.reason)
+    console.print(t)  # type: ignore[attr-defined]
+    pr = p.predicted
+    s = Table(title="Predicted (one simulator judges every row)", title_justify="left")
+    for col in ("policy", "peak", "step time", "exposed transfer"):
+        s.add_column(col, justify="left" if col == "policy" else "right")
+    budget = p.budget.bytes if p.budget else None
+    s.add_row("all residuals on device", format_bytes(pr.baseline_peak_bytes), format_seconds(pr.baseline_step_time_s), "-")
+    s.add_row("[bold]hloopt plan[/bold]", format_bytes(pr.peak_bytes), format_seconds(pr.step_time_s),
+              format_seconds(pr.exposed_transfer_s))
+    for a in o.anchors:  # type: ignore[attr-defined]
+        fits = "" if budget is None else (" (fits)" if a.peak_bytes <= budget else " (over)")
+        s.add_row(f"{a.kind}: {a.name}", format_bytes(a.peak_bytes) + fits, format_seconds(a.step_time_s), "")
+    console.print(s)  # type: ignore[attr-defined]
+    b = p.bounds
+    line = (f"budget {format_bytes(budget)}; " if budget is not None else "") + \
+        f"least peak any policy reaches {format_bytes(b.least_peak_bytes)}; " \
+        f"solver {p.solver.name} ({p.solver.status}" + \
+        (f", gap {p.solver.gap:.2%}" if p.solver.gap is not None else "") + f", {p.solver.time_s:.2f} s)"
+    console.print(line)  # type: ignore[attr-defined]
+
+
+__all__ = ["plan", "json"]

@@ -1,0 +1,435 @@
+"""The planning pipeline: TARGET -> HLO -> analyses -> Problem -> search -> Plan.
+
+``plan(target, profile=..., budget=...)`` is what ``hloopt plan`` and ``hloopt.auto_offload`` run:
+
+1. **Lower.** A JAX target is lowered for the device's platform with every residual saved
+   (``everything_saveable``), so each value a policy could keep, offload or recompute appears as
+   a forward->backward residual; the program as written is lowered too, for the baseline figure.
+   An HLO file is analyzed as it is.
+2. **Analyze.** Buffers and live ranges (with XLA's fusion modeled for pre-optimization HLO),
+   the forward->backward residuals (dataflow), their ``checkpoint_name`` (by re-lowering, see
+   :mod:`hloopt.naming`), and a roofline time per instruction.
+3. **Problem.** Steps are the entry computation's schedule; a ``while`` loop that writes or reads
+   per-layer residuals is expanded into one step per iteration so that layer ``i``'s offload can
+   overlap layer ``i+1``'s compute. Each residual group one policy rule selects is a
+   :class:`~hloopt.problem.Candidate` with one instance per layer. ``base_bytes`` is the
+   analyzed timeline minus the candidates' own bytes, so replaying "all on device" reproduces the
+   analyzed peak.
+4. **Search** for the decisions (:mod:`hloopt.search`), judge them and every built-in policy with
+   the one simulator (:mod:`hloopt.simulator`), and write a :class:`~hloopt.plan.Plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from hloopt.devices import DeviceProfile
+from hloopt.errors import UserError
+from hloopt.ir import Instruction, Module
+from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, SimResult, Step
+
+#: op_name fragments that say a value was computed inside ``jax.checkpoint`` (where a policy
+#: decides its fate); values outside any checkpoint are always saved by JAX.
+_CHECKPOINT_HINTS = ("checkpoint", "remat")
+
+Progress = Callable[[str], Any]
+
+
+def _no_progress(label: str) -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# Analysis of one module
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Analyzed:
+    """One analyzed module: what the Problem is built from."""
+
+    module: Module
+    #: "hlo", "lowered:<platform>" or "compiled:<target>"
+    source: str
+    #: device bytes live at each entry instruction (a call site counts its callee's peak)
+    timeline_bytes: list[int]
+    #: host bytes live at each entry instruction
+    host_timeline_bytes: list[int]
+    #: modeled seconds of each entry instruction (loops times their trip count)
+    step_s: list[float]
+    residuals: Any
+    ranges: Any
+    cost: Any
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.timeline_bytes, default=0)
+
+
+def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo",
+                   names: Mapping[str, str] | None = None) -> Analyzed:
+    """Liveness, residuals and roofline costs of one module, folded onto its entry schedule."""
+    from hloopt.passes import AnalysisManager
+    from hloopt.passes.cost import CostAnalysis
+    from hloopt.passes.liveness import Liveness
+    from hloopt.passes.residuals import find_residuals
+
+    am = AnalysisManager(module)
+    pre_opt = not module.is_scheduled
+    ranges = am.get(Liveness(materialize="tpu-fusion" if pre_opt else "all"))
+    timeline = ranges.entry_timeline(ranges.bytes_per_step(memory_space=0))
+    host = ranges.entry_timeline(ranges.bytes_per_step(memory_space=5))
+    cost = CostAnalysis(profile=profile).run(module, am)
+    entry = module.entry
+    assert entry is not None
+    step_s = [cost.seconds(inst) for inst in entry.instructions]
+    residuals = find_residuals(module)
+    if names:
+        residuals = residuals.with_names(dict(names))
+    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost)
+
+
+# --------------------------------------------------------------------------------------------
+# The Problem
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepMap:
+    """Where each entry instruction landed among the Problem's steps."""
+
+    #: entry index -> first step index
+    first: list[int]
+    #: entry index -> number of steps (the trip count for an expanded loop, else 1)
+    count: list[int]
+
+    def at(self, entry_index: int, iteration: int = 0) -> int:
+        return self.first[entry_index] + min(iteration, self.count[entry_index] - 1)
+
+    def last(self, entry_index: int) -> int:
+        return self.first[entry_index] + self.count[entry_index] - 1
+
+
+_BARRIERS = ("opt-barrier", "optimization-barrier")
+
+
+def _under_checkpoint(res: Any) -> bool:
+    """Whether a policy governs the residual: ``jax.checkpoint`` hands its saved values to the
+    backward pass through an optimization barrier (``remat2``), and scanned layers are saved as
+    stacked loop outputs; values outside any checkpoint take neither path."""
+    if res.name or res.forward_loop is not None:
+        return True
+    for u in res.backward_users:
+        if u.opcode in _BARRIERS:
+            return True
+        if u.opcode == "tuple" and any(w.opcode in _BARRIERS for w in u.users):
+            return True
+        if u.opcode == "while":
+            return True
+    text = (res.producer.metadata.op_name + " " + res.inst.metadata.op_name).lower()
+    return any(h in text for h in _CHECKPOINT_HINTS)
+
+
+def _through_markers(inst: Instruction) -> Instruction:
+    """The op that computes a value, looking through ``checkpoint_name``'s identity marker."""
+    seen = 0
+    while inst.opcode in ("reduce-precision", "copy", "bitcast", "reshape") and inst.operands and seen < 8:
+        inst = inst.operands[0]
+        seen += 1
+    return inst
+
+
+def build_problem(an: Analyzed, profile: DeviceProfile, *,
+                  prefetch_window_steps: int | None = None) -> tuple[Problem, StepMap]:
+    """Turn an analyzed module into the simulator's and solvers' :class:`Problem`."""
+    module = an.module
+    entry = module.entry
+    assert entry is not None
+    residuals = [r for r in an.residuals if not r.offloaded and r.bytes > 0]
+    expand: dict[int, int] = {}
+    for r in residuals:
+        if r.forward_loop is not None and r.layers > 1:
+            expand[r.forward_loop.index] = r.layers
+            if r.backward_loop is not None:
+                expand[r.backward_loop.index] = r.layers
+
+    steps: list[Step] = []
+    first: list[int] = []
+    count: list[int] = []
+    backward_start = an.residuals.backward_start if len(an.residuals) else len(entry.instructions)
+    for e, inst in enumerate(entry.instructions):
+        n = expand.get(e, 1)
+        first.append(len(steps))
+        count.append(n)
+        for k in range(n):
+            label = inst.name if n == 1 else f"{inst.name}[{k}]"
+            steps.append(Step(an.step_s[e] / n, an.timeline_bytes[e], label, e >= backward_start))
+    smap = StepMap(first, count)
+
+    groups: dict[str, list[Any]] = {}
+    for r in residuals:
+        groups.setdefault(r.key, []).append(r)
+
+    import numpy as np
+
+    contrib = np.zeros(len(steps) + 1, dtype=np.int64)
+    candidates: list[Candidate] = []
+    for key in sorted(groups, key=lambda k: (-sum(r.bytes for r in groups[k]), k)):
+        rs = groups[key]
+        instances: list[Instance] = []
+        remat_s = 0.0
+        for r in rs:
+            per = r.per_layer_bytes if r.layers > 1 else r.bytes
+            if r.forward_loop is not None and r.layers > 1:
+                fl = r.forward_loop.index
+                bl = r.backward_loop.index if r.backward_loop is not None else None
+                for _layer, fi, bi in r.iteration_map():
+                    produced = smap.at(fl, fi)
+                    if bl is not None:
+                        fbu = smap.at(bl, bi)
+                        last_use = fbu
+                    else:
+                        fbu = smap.at(r.first_backward_use)
+                        last_use = smap.last(r.last_use)
+                    instances.append(Instance(per, produced, produced, max(fbu, produced), max(last_use, fbu, produced)))
+            else:
+                produced = smap.at(r.position)
+                lfu = smap.last(r.forward_last_use) if r.forward_last_use > r.position else produced
+                fbu = smap.at(r.first_backward_use)
+                last_use = max(smap.last(r.last_use), fbu)
+                instances.append(Instance(r.bytes, produced, max(lfu, produced), max(fbu, produced), max(last_use, produced)))
+            remat_s += an.cost.seconds(r.producer) * max(r.layers, 1)
+        for ins in instances:
+            contrib[ins.produced] += ins.bytes
+            contrib[ins.last_use + 1] -= ins.bytes
+        r0 = rs[0]
+        allowed = frozenset({Action.DEVICE, Action.OFFLOAD, Action.REMAT}) if any(
+            _under_checkpoint(r) for r in rs) else frozenset({Action.DEVICE})
+        name = r0.name
+        selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
+        prod = _through_markers(r0.producer)
+        candidates.append(Candidate(
+            key=key, name=name, selector=selector, instances=tuple(instances), allowed=allowed,
+            remat_s=remat_s, source=r0.source_text, shape=_instance_shape(r0),
+            primitive={"dot": "dot_general", "convolution": "conv_general_dilated"}.get(
+                prod.opcode, _primitive(prod)),
+            dot_has_batch_dims=prod.opcode == "dot" and bool(prod.attr_ints("lhs_batch_dims")),
+        ))
+    live = np.cumsum(contrib[:-1])
+    steps = [dataclasses.replace(s, base_bytes=max(0, s.base_bytes - int(live[t])))
+             for t, s in enumerate(steps)]
+    problem = Problem(
+        steps=tuple(steps), candidates=tuple(candidates),
+        d2h_bytes_per_s=profile.d2h_bytes_per_s, h2d_bytes_per_s=profile.h2d_bytes_per_s,
+        duplex_d2h_bytes_per_s=profile.duplex_d2h_bytes_per_s,
+        duplex_h2d_bytes_per_s=profile.duplex_h2d_bytes_per_s,
+        transfer_latency_s=profile.transfer_latency_s, dma_engines=profile.dma_engines,
+        prefetch_window_steps=prefetch_window_steps, device=profile.name,
+        notes={"module": module.name, "source": an.source},
+    )
+    return problem, smap
+
+
+def _primitive(inst: Instruction) -> str:
+    from hloopt.passes.residuals import primitive_of
+
+    return primitive_of(inst)
+
+
+def _instance_shape(r: Any) -> str:
+    s = r.shape
+    if r.layers > 1 and r.layer_axis is not None:
+        dims = r.per_layer_dims
+        return f"{s.element_type}[{','.join(map(str, dims))}]"
+    return s.to_text(layout=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AnchorResult:
+    name: str
+    kind: str
+    code: str
+    peak_bytes: int
+    step_time_s: float
+    decisions: Decisions
+
+
+@dataclass
+class PlanOutcome:
+    """Everything ``hloopt plan`` shows: the plan, the problem, replays and the anchors."""
+
+    plan: Any
+    problem: Problem
+    analyzed: Analyzed
+    baseline: SimResult
+    result: SimResult
+    decisions: Decisions
+    anchors: list[AnchorResult] = field(default_factory=list)
+    #: the program as written (no policy change), analyzed: its peak, when a JAX target
+    as_written_peak_bytes: int | None = None
+
+
+def lower_for_plan(target: Any, profile: DeviceProfile, *, platform: str | None = None,
+                   compile: str | None = None, progress: Progress = _no_progress) -> tuple[Module, str]:
+    """Lower a JAX target with every residual saved; parse it. Returns (module, source)."""
+    import jax
+
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+
+    plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
+    with progress(f"lowering {target.spec} for {compile or plat}"):
+        low = lower(target, platform=plat, policy=jax.checkpoint_policies.everything_saveable,
+                    compile=compile)
+    text = low.compiled_text if compile else low.hlo_text
+    source = f"compiled:{compile}" if compile else f"lowered:{plat}"
+    return parse_module(text, filename=f"<{target.spec} {source}>"), source
+
+
+def resolve_budget(spec: str | None, baseline_peak_bytes: int) -> int | None:
+    """``"75%"`` of the all-on-device peak, or an absolute size; None when not given."""
+    if spec is None:
+        return None
+    from hloopt.units import parse_budget
+
+    b = parse_budget(spec)
+    if b.fraction is not None:
+        return int(b.fraction * baseline_peak_bytes)
+    return int(b.bytes)
+
+
+def run_anchors(problem: Problem) -> list[AnchorResult]:
+    from hloopt.anchors import ANCHORS, expressible
+    from hloopt.simulator import simulate
+
+    out = []
+    for a in ANCHORS:
+        if not expressible(a, problem):
+            continue
+        d = a.decisions(problem)
+        r = simulate(problem, d)
+        out.append(AnchorResult(a.name, a.kind, a.code, r.peak_bytes, r.step_time_s, d))
+    return out
+
+
+def _reason(c: Candidate, action: Action, problem: Problem) -> str:
+    from hloopt.units import format_seconds
+
+    if action == Action.OFFLOAD:
+        per = c.instances[0]
+        move_s = problem.transfer_latency_s + per.bytes / max(problem.d2h_bytes_per_s, 1.0)
+        return f"frees {c.bytes} B between forward and backward; each move {format_seconds(move_s)}"
+    if action == Action.REMAT:
+        return f"recompute costs {format_seconds(c.remat_s)}, cheaper than moving it"
+    if Action.OFFLOAD not in c.allowed:
+        return "outside jax.checkpoint: no policy can move it"
+    return "fits the budget on device"
+
+
+def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceProfile, *,
+              budget_spec: str | None, budget_bytes: int | None, mode: str, decisions: Decisions,
+              result: SimResult, baseline: SimResult, solver: Mapping[str, Any],
+              pareto: Sequence[Any] | None = None) -> Any:
+    from hloopt.plan import Bounds, Budget, Decision, ParetoPoint, Plan, Predicted, Selector, SolverInfo
+    from hloopt.simulator import lower_bound_peak, lower_bound_time
+
+    decs = []
+    for c in problem.candidates:
+        a = decisions.action(c.key)
+        if c.name:
+            sel = Selector.by_name(c.name)
+        else:
+            sel = Selector.by_primitive(c.primitive or "unknown", source=c.source or None,
+                                        shape=c.shape or None)
+        decs.append(Decision(
+            key=c.key, name=c.name, selector=sel, action=a.value, bytes=c.bytes,
+            layers=len(c.instances), shape=c.shape, reason=_reason(c, a, problem), source=c.source,
+            values=tuple(sorted({r.inst.name for r in an.residuals if r.key == c.key})),
+        ))
+    return Plan(
+        target=target_spec, module=an.module.name, device=profile.to_dict(),
+        budget=None if budget_bytes is None else Budget(spec=budget_spec or str(budget_bytes), bytes=budget_bytes),
+        mode=mode, decisions=tuple(decs),
+        predicted=Predicted(peak_bytes=result.peak_bytes, step_time_s=result.step_time_s,
+                            exposed_transfer_s=result.exposed_transfer_s,
+                            baseline_peak_bytes=baseline.peak_bytes,
+                            baseline_step_time_s=baseline.step_time_s),
+        bounds=Bounds(least_peak_bytes=lower_bound_peak(problem), least_step_time_s=lower_bound_time(problem)),
+        solver=SolverInfo(name=str(solver.get("name", "")), status=str(solver.get("status", "")),
+                          gap=solver.get("gap"), time_s=float(solver.get("time_s", 0.0))),
+        pareto=None if pareto is None else tuple(
+            ParetoPoint(peak_bytes=p.peak_bytes, step_time_s=p.step_time_s,
+                        actions={k: v.value for k, v in p.decisions.actions.items()}) for p in pareto),
+    )
+
+
+def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None,
+         max_slowdown: float | None = None, pareto: bool = False, platform: str | None = None,
+         compile: str | None = None, solver: str = "auto", time_limit_s: float = 30.0,
+         size: str | None = None, progress: Progress = _no_progress) -> PlanOutcome:
+    """Run the whole pipeline on a TARGET (see the module docstring)."""
+    from hloopt.search import search
+    from hloopt.simulator import simulate
+    from hloopt.targets import Target, resolve
+
+    tgt = target if isinstance(target, Target) else resolve(target, size=size)
+    names: dict[str, str] = {}
+    as_written = None
+    if tgt.kind == "jax":
+        module, source = lower_for_plan(tgt, profile, platform=platform, compile=compile, progress=progress)
+        with progress("naming residuals (re-lowering with one-name policies)"):
+            names = _names_for(tgt, module, profile, platform=platform)
+    else:
+        from hloopt.hlo.parser import parse_module
+
+        module = parse_module(tgt.text, filename=str(tgt.path))
+        source = "hlo"
+    with progress("analyzing memory, residuals and costs"):
+        an = analyze_module(module, profile, source=source, names=names)
+        problem, _ = build_problem(an, profile)
+    if not problem.candidates:
+        raise UserError(f"{tgt.spec}: found no forward->backward residuals to offload "
+                        "(is this a training step with a backward pass?)")
+    baseline = simulate(problem, Decisions.all_device())
+    budget_bytes = resolve_budget(budget, baseline.peak_bytes)
+    if budget_bytes is None and max_slowdown is None and not pareto:
+        raise UserError("say what to optimize: --budget SIZE|PCT, --max-slowdown PCT, or --pareto")
+    mode = "pareto" if pareto else ("budget" if budget_bytes is not None else "max-slowdown")
+    t0 = time.perf_counter()
+    with progress(f"searching {len(problem.candidates)} candidates"):
+        sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,
+                    solver=solver, time_limit_s=time_limit_s)
+    decisions = sr.decisions
+    result = simulate(problem, decisions)
+    if budget_bytes is not None and result.peak_bytes > budget_bytes:
+        raise UserError(f"internal: the chosen plan replays to {result.peak_bytes} B over the budget "
+                        f"{budget_bytes} B")
+    solver_info = {"name": sr.solver, "status": sr.status, "gap": sr.gap,
+                   "time_s": round(time.perf_counter() - t0, 3)}
+    plan_obj = make_plan(tgt.spec, an, problem, profile, budget_spec=budget, budget_bytes=budget_bytes,
+                         mode=mode, decisions=decisions, result=result, baseline=baseline,
+                         solver=solver_info, pareto=getattr(sr, "pareto", None) if pareto else None)
+    anchors = run_anchors(problem)
+    return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written)
+
+
+def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None) -> dict[str, str]:
+    """``{instruction name: checkpoint_name}`` for the residuals of ``module`` (see hloopt.naming)."""
+    from hloopt.naming import residual_names
+
+    plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
+    return residual_names(tgt, module, platform=plat)
+
+
+def iter_steps(problem: Problem) -> Iterator[tuple[int, Step]]:
+    return enumerate(problem.steps)
