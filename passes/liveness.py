@@ -191,6 +191,9 @@ class Liveness(Analysis[LiveRanges]):
     schedule: str = "module"
     #: "all": every buffer is materialized; "tpu-fusion": model XLA's fusion of cheap ops
     materialize: str = "all"
+    #: round every buffer up to this many bytes (TPU allocates HBM in 512-byte units: an index
+    #: table of a few pointers takes 512 bytes); 0 = exact sizes
+    alignment_bytes: int = 0
 
     def run(self, module: Module, am: AnalysisManager) -> LiveRanges:
         from hloopt.errors import UserError
@@ -267,7 +270,10 @@ class Liveness(Analysis[LiveRanges]):
         for b in aliasing.buffers:
             if start[b.id] < 0:
                 continue
-            sizes[b.id] = b.size_bytes
+            size = b.size_bytes
+            if self.alignment_bytes > 1 and size:
+                size = -(-size // self.alignment_bytes) * self.alignment_bytes
+            sizes[b.id] = size
             if b.parameter >= 0:
                 start[b.id] = 0
                 end[b.id] = last

@@ -15,6 +15,7 @@ from hloopt.errors import UserError
 
 #: command name -> "module:attribute" (relative to this package)
 COMMANDS: dict[str, str] = {
+    "analyze": "analyze_cmd:analyze",
     "inspect": "inspect_cmd:inspect",
     "devices": "devices_cmd:devices",
     "calibrate": "calibrate_cmd:calibrate",

@@ -1,0 +1,212 @@
+"""``analyze``: what fills device memory in one step: the library behind ``hloopt analyze``.
+
+``analyze(TARGET)`` resolves a TARGET (an HLO file, an XLA dump, or a JAX program), gets HLO
+(lowered, or compiled with ``compile=``), and runs :class:`~hloopt.passes.memory.PeakMemory`
+with the settings that reproduce how the module's compiler counts:
+
+* a scheduled module with TPU tiled layouts (libtpu output): 512-byte aligned buffers, outputs
+  and static allocations for the whole program, generated code added when XLA reported its size;
+* any other scheduled module (XLA CPU/GPU output): the module's schedule, exact sizes;
+* a pre-optimization module: ``platform="tpu"`` models XLA's fusion of cheap ops and TPU tiling
+  (a prediction of the compiled peak without the code size); other platforms use text order.
+
+HLO files and dumps never import jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from hloopt.errors import UserError
+from hloopt.ir import Module
+from hloopt.passes import AnalysisManager
+from hloopt.passes.liveness import Liveness
+from hloopt.passes.memory import MemoryProfile, PeakMemory
+
+
+@dataclass(eq=False)
+class MemoryReport:
+    """What ``hloopt analyze`` prints."""
+
+    module: str
+    #: "hlo", "lowered:<platform>" or "compiled:<target>"
+    source: str
+    profile: MemoryProfile
+    #: the compiler's memory_analysis() figures when compiled here, or from a snapshot's JSON
+    xla: Mapping[str, int] | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.profile.peak_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        p = self.profile
+        inst = p.peak_instruction
+        out: dict[str, Any] = {
+            "module": self.module,
+            "source": self.source,
+            "peak_bytes": p.peak_bytes,
+            "peak_at": {"index": p.peak_step, "instruction": inst.name,
+                        "computation": inst.parent.name if inst.parent is not None else "",
+                        "entry_index": p.ranges.entry_step[p.peak_step]},
+            "argument_bytes": p.argument_bytes,
+            "output_bytes": p.output_bytes,
+            "host_bytes": p.host_bytes,
+            "static_bytes": p.static_bytes,
+            "code_bytes": p.code_bytes,
+            "num_steps": len(p.timeline_bytes),
+            "categories": p.categories,
+            "live_at_peak": [b.to_json() for b in p.top],
+            "settings": self.settings,
+        }
+        if self.xla is not None:
+            out["xla"] = dict(self.xla)
+        return out
+
+
+def settings_for(module: Module, *, platform: str | None = None, schedule: str | None = None,
+                 code_bytes: int = 0) -> dict[str, Any]:
+    """The PeakMemory settings that match how the module's compiler counts (module docstring)."""
+    tpu_layout = module.is_scheduled and _has_tiles(module)
+    if tpu_layout:
+        return {"kind": "tpu-compiled", "schedule": schedule or "module", "materialize": "all",
+                "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": True,
+                "code_bytes": code_bytes}
+    if module.is_scheduled:
+        return {"kind": "compiled", "schedule": schedule or "module", "materialize": "all",
+                "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
+                "code_bytes": code_bytes}
+    if platform == "tpu":
+        return {"kind": "tpu-predicted", "schedule": schedule or "module", "materialize": "tpu-fusion",
+                "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": False,
+                "code_bytes": code_bytes}
+    return {"kind": "unoptimized", "schedule": schedule or "module", "materialize": "all",
+            "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
+            "code_bytes": code_bytes}
+
+
+def profile_module(module: Module, *, platform: str | None = None, schedule: str | None = None,
+                   code_bytes: int = 0, top: int = 10,
+                   am: AnalysisManager | None = None) -> tuple[MemoryProfile, dict[str, Any]]:
+    """Run PeakMemory on ``module`` with :func:`settings_for`'s settings."""
+    s = settings_for(module, platform=platform, schedule=schedule, code_bytes=code_bytes)
+    am = am or AnalysisManager(module)
+    if s["kind"] == "tpu-predicted":
+        _apply_tpu_tiling(module)
+    live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"])
+    prof = am.get(PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
+                             static_allocations=s["static_allocations"], code_bytes=s["code_bytes"]))
+    return prof, s
+
+
+def analyze(target: str | Path | Module, *, platform: str | None = None, compile: str | None = None,
+            top: int = 10, schedule: str | None = None, size: str | None = None,
+            xla: Mapping[str, int] | None = None) -> MemoryReport:
+    """Analyze a TARGET (path or string), or a parsed :class:`Module` (see the module docstring).
+
+    ``platform`` is what pre-optimization HLO is lowered for / predicted for ("tpu", "cuda",
+    "cpu"); ``compile`` compiles a JAX TARGET with XLA ("cpu", "tpu-v5e"...) and analyzes the
+    compiled module, with XLA's own figures in ``report.xla``.
+    """
+    from hloopt.hlo.parser import parse_module
+
+    if isinstance(target, Module):
+        prof, s = profile_module(target, platform=platform, schedule=schedule, top=top,
+                                 code_bytes=_code(xla))
+        return MemoryReport(target.name, "hlo", prof, xla, s)
+    from hloopt.targets import resolve
+
+    t = resolve(str(target), size=size)
+    if t.kind != "jax":
+        if compile is not None:
+            raise UserError(f"{target}: --compile applies to a JAX TARGET; this is HLO already")
+        assert t.text is not None
+        module = parse_module(t.text, filename=str(t.path))
+        xla = xla if xla is not None else _snapshot_figures(t.path)
+        prof, s = profile_module(module, platform=platform, schedule=schedule, top=top, code_bytes=_code(xla))
+        return MemoryReport(module.name, "hlo", prof, xla, s)
+
+    from hloopt.lowering import lower
+
+    plat = platform or ("tpu" if compile and compile.startswith("tpu") else "cpu" if compile == "cpu" else "tpu")
+    lowered = lower(t, platform=plat, compile=compile)
+    if compile is None:
+        module = parse_module(lowered.hlo_text, filename=str(target))
+        prof, s = profile_module(module, platform=plat, schedule=schedule, top=top)
+        return MemoryReport(module.name, f"lowered:{plat}", prof, None, s)
+    assert lowered.compiled_text is not None
+    module = parse_module(lowered.compiled_text, filename=str(target))
+    figures = dict(lowered.memory or {})
+    prof, s = profile_module(module, platform=plat, schedule=schedule, top=top, code_bytes=_code(figures))
+    return MemoryReport(module.name, f"compiled:{compile}", prof, figures, s)
+
+
+def _code(xla: Mapping[str, int] | None) -> int:
+    return int(xla.get("generated_code_size_in_bytes", 0)) if xla else 0
+
+
+def _snapshot_figures(path: Path | None) -> dict[str, int] | None:
+    """A snapshot's ``.json`` beside its ``.hlo`` (fixtures/hlo/zoo), when there is one."""
+    if path is None:
+        return None
+    side = path.with_suffix(".json")
+    if not side.is_file():
+        return None
+    import json
+
+    try:
+        data = json.loads(side.read_text())
+    except ValueError:
+        return None
+    mem = data.get("memory") if isinstance(data, dict) else None
+    return {k: int(v) for k, v in mem.items()} if isinstance(mem, dict) else None
+
+
+def _has_tiles(module: Module) -> bool:
+    if module.entry_layout is not None:
+        params, result = module.entry_layout
+        for s in [*params, result]:
+            for _, leaf in s.leaves():
+                if leaf.layout is not None and leaf.layout.tiles:
+                    return True
+    return False
+
+
+def _apply_tpu_tiling(module: Module) -> None:
+    """Give the layout-less shapes of a pre-optimization module TPU's default tiles (in place)."""
+    from hloopt.ir import Layout, Shape
+
+    cache: dict[Shape, Shape] = {}
+
+    def tiled(s: Shape) -> Shape:
+        got = cache.get(s)
+        if got is not None:
+            return got
+        if s.is_tuple:
+            got = Shape("tuple", tuple_shapes=tuple(tiled(x) for x in s.tuple_shapes))
+        elif not s.is_array or (s.layout is not None and s.layout.tiles):
+            got = s
+        else:
+            rank = len(s.dims)
+            m2m = s.layout.minor_to_major if s.layout is not None and s.layout.minor_to_major \
+                else tuple(range(rank - 1, -1, -1))
+            tiles = ((8, 128),) if rank >= 2 else ((128,),)
+            space = s.layout.memory_space if s.layout is not None else 0
+            got = Shape(s.element_type, s.dims, s.dynamic, Layout(m2m, tiles, memory_space=space))
+        cache[s] = got
+        return got
+
+    for inst in module.instructions():
+        inst.shape = tiled(inst.shape)
+        if inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement" \
+                and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host" \
+                and inst.shape.is_array and inst.shape.layout is not None:
+            lay = inst.shape.layout
+            inst.shape = Shape(inst.shape.element_type, inst.shape.dims, inst.shape.dynamic,
+                               Layout(lay.minor_to_major, lay.tiles, memory_space=5))
+
+
+__all__ = ["MemoryReport", "analyze", "profile_module", "settings_for"]
