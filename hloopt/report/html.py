@@ -177,16 +177,20 @@ def _memory_svg(data: ReportData, ds: Mapping[str, Any], colors: Mapping[str, st
         parts.append(f'<line class="hbm" x1="{_ML}" x2="{_W - _MR}" y1="{y}" y2="{y}"/>')
         parts.append(f'<text class="lbl muted" x="{_ML + 4}" y="{_f(Y(hbm) - 5)}">HBM {_esc(format_bytes(hbm))}</text>')
     # peak markers
-    markers = [("peak", data.baseline_peak_step, data.baseline_peak_bytes, "base")]
+    markers = [("peak", data.baseline_peak_step, data.baseline_peak_bytes, "base", -6)]
     if data.plan_peak_step is not None and data.plan_peak_bytes is not None:
-        markers.append(("plan peak", data.plan_peak_step, data.plan_peak_bytes, "plan"))
-    for label, step, value, cls in markers:
+        if (data.plan_peak_step, data.plan_peak_bytes) == (data.baseline_peak_step, data.baseline_peak_bytes):
+            markers = [("peak, with and without plan", data.baseline_peak_step, data.baseline_peak_bytes, "base", -6)]
+        else:
+            # the plan's label goes below its point so the two never overprint
+            markers.append(("plan peak", data.plan_peak_step, data.plan_peak_bytes, "planpk", 16))
+    for label, step, value, cls, dy in markers:
         x, y = X(step + 0.5), Y(value)
-        anchor = "end" if x > _ML + _PW * 0.8 else "start"
+        anchor = "end" if x > _ML + _PW * 0.75 else "start"
         dx = -8 if anchor == "end" else 8
         parts.append(f'<circle id="{cls}-peak" class="peak {cls}" cx="{_f(x)}" cy="{_f(y)}" r="4.5"/>')
-        parts.append(f'<text class="lbl peak-t {cls}" x="{_f(x + dx)}" y="{_f(y - 6)}" text-anchor="{anchor}">'
-                     f'{label} {_esc(format_bytes(value))} @ {step}</text>')
+        parts.append(f'<text class="lbl peak-t" x="{_f(x + dx)}" y="{_f(y + dy)}" text-anchor="{anchor}">'
+                     f'{label} {_esc(format_bytes(value))} @ step {step}</text>')
     parts.append(f'<line id="hover-line" class="hover" x1="0" x2="0" y1="{_MT}" y2="{_MT + _PH}" visibility="hidden"/>')
     parts.append(f'<rect id="memory-hover" class="overlay" x="{_ML}" y="{_MT}" width="{_PW}" height="{_PH}"/>')
     parts.append(f'<line class="axis" x1="{_ML}" x2="{_W - _MR}" y1="{_MT + _PH}" y2="{_MT + _PH}"/>')
