@@ -157,6 +157,8 @@ class Residual:
     name: str | None = None
     #: (file, line) in user code of the producer, when the module has debug info
     source: tuple[str, int] | None = None
+    #: the ``annotate_device_placement`` to pinned_host that offloads it (pre-optimization HLO)
+    offload_marker: Instruction | None = None
 
     # -- derived ---------------------------------------------------------------------------
     @property
@@ -528,7 +530,13 @@ def _passthrough_init(loop: Instruction, index: int) -> Instruction | None:
 
 
 def _deep_producer(inst: Instruction) -> tuple[Instruction, bool]:
-    """(the op computing a value, whether a pinned_host annotation was passed on the way).
+    """(the op computing a value, whether a pinned_host annotation was passed on the way)."""
+    producer, marker, host = _trace_producer(inst)
+    return producer, host
+
+
+def _trace_producer(inst: Instruction) -> tuple[Instruction, Instruction | None, bool]:
+    """(the op computing a value, the first pinned_host annotation on the way, whether on host).
 
     Looks through views, annotations and into called computations (``call`` results, pieces of a
     ``call``/``fusion`` tuple), and from a called computation's parameter back to its caller's
@@ -536,7 +544,10 @@ def _deep_producer(inst: Instruction) -> tuple[Instruction, bool]:
     """
     callers: list[Instruction] = []
     host = False
+    marker: Instruction | None = None
     for _ in range(128):
+        if marker is None and is_host_annotation(inst):
+            marker = inst
         host = host or is_host_annotation(inst) or inst.shape.on_host
         op = inst.opcode
         if (op in _VIEW_OPS and op != "get-tuple-element" or op == "custom-call" and
@@ -546,24 +557,24 @@ def _deep_producer(inst: Instruction) -> tuple[Instruction, bool]:
             call = inst.operands[0]
             comp = (call.called.get("to_apply") or call.called.get("calls") or [None])[0]
             if comp is None or comp.root is None or comp.root.opcode != "tuple":
-                return call, host
+                return call, marker, host
             callers.append(call)
             inst = comp.root.operands[inst.tuple_index]
         elif op == "call" and inst.called.get("to_apply"):
             comp = inst.called["to_apply"][0]
             if comp.root is None or comp.root.opcode == "tuple":
-                return inst, host
+                return inst, marker, host
             callers.append(inst)
             inst = comp.root
         elif op == "parameter" and callers and inst.parent is not None and not inst.parent.is_entry:
             call = callers.pop()
             n = inst.parameter_number
             if n >= len(call.operands):
-                return inst, host
+                return inst, marker, host
             inst = call.operands[n]
         else:
-            return inst, host
-    return inst, host
+            return inst, marker, host
+    return inst, marker, host
 
 
 def _look_through(inst: Instruction) -> Instruction:
@@ -585,7 +596,7 @@ def _residual(module: Module, inst: Instruction, bwd_users: list[Instruction], f
     first_bwd = min(consumers, key=lambda u: pos[u])
     last_use = max(pos[u] for u in users if u is not root) if any(u is not root for u in users) else pos[inst]
     last_use = max([last_use] + [pos[c] for c in consumers])
-    producer, offloaded = _deep_producer(inst)
+    producer, marker, offloaded = _trace_producer(inst)
     layers, axis, fwd_loop, rev = 1, None, None, None
     bwd_loop = first_bwd if first_bwd.opcode == "while" else None
 
@@ -596,7 +607,8 @@ def _residual(module: Module, inst: Instruction, bwd_users: list[Instruction], f
             update, axis, inner_offload = stacked
             layers = inst.shape.dims[axis]
             fwd_loop = loop
-            producer, up_host = _deep_producer(update)
+            producer, up_marker, up_host = _trace_producer(update)
+            marker = marker or up_marker
             offloaded = offloaded or inner_offload or up_host
             if bwd_loop is not None:
                 rev = _reads_reversed(bwd_loop, inst)
@@ -617,7 +629,7 @@ def _residual(module: Module, inst: Instruction, bwd_users: list[Instruction], f
         forward_last_use=max(fwd_uses, default=pos[inst]), first_backward_use=pos[first_bwd],
         last_use=last_use, backward_users=tuple(dict.fromkeys(consumers)), forward_loop=fwd_loop,
         backward_loop=bwd_loop, layer_axis=axis, reversed_in_backward=rev, offloaded=offloaded,
-        source=source)
+        source=source, offload_marker=marker)
 
 
 def _host_stack_writes(inst: Instruction) -> list[Instruction]:

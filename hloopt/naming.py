@@ -1,0 +1,267 @@
+"""Names for residuals: which ``checkpoint_name`` (or primitive at a source line) a policy can use.
+
+``checkpoint_name`` leaves no trace in HLO, so names are recovered by lowering the step again:
+
+1. **Name sites.** ``jax.make_jaxpr`` of the step; every ``name`` equation (in any sub-jaxpr: scan
+   bodies, remat, pjit) gives a checkpoint_name and the user source line of its call.
+2. **Probe.** Lower the step once with a policy that offloads *every* name
+   (``save_and_offload_only_these_names(names_which_can_be_offloaded=all names)``). Each
+   offloaded residual of the probe (:func:`hloopt.passes.residuals.find_residuals`: a pinned_host
+   annotation, directly or written into a scan stack) is one named value; its name is the name
+   whose call site is the annotation's (unrolled: JAX puts it at the ``name`` equation) or the
+   producing op's user source line (``checkpoint_name(h @ w, "q")`` on one line). Values neither
+   names (a scan carry such as a layer input has no line; annotations inside a scan carry the
+   scan's line) are named by one more lowering per left-over name, offloading that name alone.
+   Two names on one line are :attr:`NameProbe.ambiguous` and stay unnamed.
+3. **Match.** A residual of the baseline module (lowered with the target's own policy) gets name
+   N when it has N's dtype, per-layer dims and layer count, and the probe no longer keeps an
+   equal device residual (so selecting N is what moves it). Everything else keeps its
+   ``prim:<primitive>@file:line`` key.
+
+All of this imports jax lazily; :mod:`hloopt.passes.residuals` itself needs no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hloopt.errors import UserError
+from hloopt.passes.residuals import Residual, ResidualSet, find_residuals
+
+
+@dataclass(frozen=True)
+class NameSite:
+    """One ``checkpoint_name(x, name)`` call in the traced step."""
+
+    name: str
+    file: str
+    line: int
+
+
+@dataclass(frozen=True)
+class NamedValue:
+    """What offloading one name moves (from the probe lowering)."""
+
+    name: str
+    dtype: str
+    #: dims of one layer's copy
+    per_layer_dims: tuple[int, ...]
+    layers: int
+    bytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class NameProbe:
+    """The result of naming: the baseline residuals with names, and what every name selects."""
+
+    residuals: ResidualSet
+    sites: tuple[NameSite, ...]
+    #: every named value the all-names probe offloaded, whether or not the baseline saves it
+    values: tuple[NamedValue, ...]
+    #: names whose call sites share a source line with another name (not attributable)
+    ambiguous: tuple[str, ...] = ()
+
+    @property
+    def coverage(self) -> float:
+        """Share of baseline residual bytes some checkpoint_name selects."""
+        total = self.residuals.total_bytes
+        named = sum(r.bytes for r in self.residuals if r.name)
+        return named / total if total else 0.0
+
+    def bytes_by_name(self) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for v in self.values:
+            out[v.name] += v.bytes
+        return dict(out)
+
+
+def checkpoint_names(target: Any) -> list[NameSite]:
+    """Every checkpoint_name call site in ``target``'s step (a :class:`hloopt.targets.Target`)."""
+    import jax
+    from jax._src import source_info_util
+
+    _check_jax_target(target)
+    closed = jax.make_jaxpr(target.step_fn)(*target.args, **dict(target.kwargs))
+    out: list[NameSite] = []
+    seen: set[tuple[str, str, int]] = set()
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "name":
+                frame = source_info_util.user_frame(eqn.source_info.traceback)
+                key = (eqn.params["name"], frame.file_name if frame else "", frame.start_line if frame else 0)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(NameSite(*key))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return out
+
+
+def offload_all_policy(names: Sequence[str]) -> Any:
+    import jax
+
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+        offload_src="device", offload_dst="pinned_host")
+
+
+def lower_module(target: Any, *, policy: Any = None, platform: str = "tpu") -> Any:
+    """The pre-optimization HLO module of ``target`` (optionally rebuilt with ``policy=``)."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+
+    lowered = lower(target, platform=platform, policy=policy)
+    return parse_module(lowered.hlo_text, filename=f"{target.name} (lowered)")
+
+
+def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: Any = None,
+                   platform: str = "tpu") -> NameProbe:
+    """Residuals of ``target`` (lowered with ``policy``, or ``baseline`` when given) with names."""
+    _check_jax_target(target)
+    if baseline is None:
+        baseline = find_residuals(lower_module(target, policy=policy, platform=platform))
+    sites = checkpoint_names(target)
+    names = sorted({s.name for s in sites})
+    if not names:
+        return NameProbe(residuals=baseline, sites=(), values=())
+    probe_set = find_residuals(lower_module(target, policy=offload_all_policy(names), platform=platform))
+    by_line: dict[tuple[str, int], set[str]] = {}
+    for s in sites:
+        by_line.setdefault((_norm(s.file), s.line), set()).add(s.name)
+    ambiguous = sorted({n for ns in by_line.values() if len(ns) > 1 for n in ns})
+
+    probe_named: list[tuple[Residual, str]] = []
+    unnamed: list[Residual] = []
+    for r in probe_set:
+        if r.offloaded:
+            name = _name_of(probe_set, r, by_line)
+            (unnamed.append(r) if name is None else probe_named.append((r, name)))
+    # Values the call site cannot name (a scan carry has no location; annotations inside a scan
+    # carry the scan's line): one more lowering per name left over, offloading that name alone.
+    if unnamed:
+        left = [n for n in names if n not in {name for _, name in probe_named} and n not in ambiguous]
+        for n in left:
+            single = find_residuals(lower_module(target, policy=offload_all_policy([n]), platform=platform))
+            for r in single:
+                if r.offloaded:
+                    probe_named.append((r, n))
+    values = [NamedValue(name=name, dtype=r.dtype, per_layer_dims=r.per_layer_dims, layers=r.layers,
+                         bytes=r.bytes, source=r.source_text) for r, name in probe_named]
+
+    # Baseline residuals the probe still keeps on device are not moved by any name.
+    kept = Counter(_sig(r) for r in probe_set if not r.offloaded)
+    names_for: dict[str, str] = {}
+    taken: set[int] = set()
+    pending: list[Residual] = []
+    for r in baseline:
+        sig = _sig(r)
+        if kept[sig] > 0:
+            kept[sig] -= 1
+        else:
+            pending.append(r)
+    for same in (_sig, _shape_sig):  # the same producing op and line first, then the same shape
+        for r in pending:
+            if r.inst.name in names_for:
+                continue
+            for k, (p, name) in enumerate(probe_named):
+                if k not in taken and same(p) == same(r):
+                    names_for[r.inst.name] = name
+                    taken.add(k)
+                    break
+    return NameProbe(residuals=baseline.with_names(names_for), sites=tuple(sites), values=tuple(values),
+                     ambiguous=tuple(ambiguous))
+
+
+def _name_of(rs: ResidualSet, r: Residual, by_line: dict[tuple[str, int], set[str]]) -> str | None:
+    from hloopt.passes.residuals import LIBRARY_PATHS
+
+    locs = []
+    if r.offload_marker is not None:
+        locs.append(rs.module.user_source_of(r.offload_marker, skip=LIBRARY_PATHS))
+    locs.append(r.source)
+    for loc in locs:
+        if loc is None:
+            continue
+        ns = by_line.get((_norm(loc[0]), loc[1]))
+        if ns and len(ns) == 1:
+            return next(iter(ns))
+    return None
+
+
+def _norm(path: str) -> str:
+    """Compare paths by their last two components (HLO metadata may be relative or normalized)."""
+    parts = path.replace("\\", "/").split("/")
+    return "/".join(parts[-2:])
+
+
+def _shape_sig(r: Residual) -> tuple[str, tuple[int, ...], int]:
+    return (r.dtype, r.per_layer_dims, r.layers)
+
+
+def _sig(r: Residual) -> tuple[Any, ...]:
+    return (*_shape_sig(r), r.primitive, r.source_text)
+
+
+def _check_jax_target(target: Any) -> None:
+    from hloopt.targets import Target
+
+    if not isinstance(target, Target) or target.kind != "jax":
+        kind = getattr(target, "kind", type(target).__name__)
+        raise UserError(f"naming residuals needs a JAX TARGET (file.py:factory), not {kind}: "
+                        "checkpoint_name leaves no trace in HLO")
+
+
+def loss_function(target: Any) -> Any:
+    """The ``loss_fn(params, batch)`` inside a zoo-style train step (``_common.train_step``).
+
+    Found in the step's closure (``loss_fn``), looking through wrappers that close over an
+    ``inner`` step (the sharded zoo model). For :func:`jax_saved_residuals`.
+    """
+    _check_jax_target(target)
+    fn = target.step_fn
+    for _ in range(4):
+        cells = {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+        if "loss_fn" in cells:
+            return cells["loss_fn"]
+        nxt = next((v for v in cells.values() if callable(v) and hasattr(v, "__code__")
+                    and "loss_fn" in v.__code__.co_freevars), None)
+        if nxt is None:
+            break
+        fn = nxt
+    raise UserError(f"{target.name}: no loss_fn in the step's closure (expected a train_step(loss_fn, ...))")
+
+
+def jax_saved_residuals(target: Any) -> list[tuple[Any, str]]:
+    """``jax._src.ad_checkpoint.saved_residuals`` of the target's loss w.r.t. (params, batch)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    loss = loss_function(target)
+    params, _opt_state, batch = target.args
+    return saved_residuals(loss, params, batch)
+
+
+def jax_bytes_by_name(saved: Iterable[tuple[Any, str]]) -> dict[str, int]:
+    """Bytes per checkpoint_name in a saved_residuals list (``named 'x' from ...`` entries)."""
+    import re
+
+    out: Counter[str] = Counter()
+    for aval, desc in saved:
+        m = re.match(r"named '([^']+)'", desc)
+        if m:
+            out[m.group(1)] += int(aval.size) * aval.dtype.itemsize
+    return dict(out)
+
+
+__all__ = ["NameProbe", "NameSite", "NamedValue", "checkpoint_names", "jax_bytes_by_name", "jax_saved_residuals",
+           "loss_function", "lower_module", "name_residuals", "offload_all_policy"]
