@@ -61,7 +61,8 @@ _FUSIBLE = frozenset({
     "real", "reduce-precision", "remainder", "reshape", "round-nearest-afz", "round-nearest-even",
     "rsqrt", "select", "shift-left", "shift-right-arithmetic", "shift-right-logical", "sign", "sin",
     "slice", "sqrt", "subtract", "tan", "tanh", "transpose", "xor", "bitcast", "bitcast-convert",
-    "erf", "pad", "reverse", "constant", "stochastic-convert",
+    "erf", "pad", "reverse", "constant", "stochastic-convert", "exponential", "exponential-minus-one",
+    "log-plus-one", "cosine", "sine", "count-leading-zeros",
 })
 
 
