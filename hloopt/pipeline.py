@@ -425,10 +425,12 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
 
 def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None) -> dict[str, str]:
     """``{instruction name: checkpoint_name}`` for the residuals of ``module`` (see hloopt.naming)."""
-    from hloopt.naming import residual_names
+    from hloopt.naming import name_residuals
+    from hloopt.passes.residuals import find_residuals
 
     plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
-    return residual_names(tgt, module, platform=plat)
+    probe = name_residuals(tgt, baseline=find_residuals(module), platform=plat)
+    return {r.inst.name: r.name for r in probe.residuals if r.name}
 
 
 def iter_steps(problem: Problem) -> Iterator[tuple[int, Step]]:
