@@ -12,9 +12,9 @@ identity; unmatched buffers with the same op_name but another shape are *resized
 *added* / *removed*. A host buffer of B *moved to host* when A has a device buffer of the same
 logical shape (one-to-one, same op_name preferred).
 
-The memory analysis of an HLO side is injected (``analyzer=``): the default is the entry-level
-approximation :func:`hloopt.report.approx.approximate_memory`; the pipeline passes the memory
-model. Invariant: ``peak_delta_bytes == b.peak_bytes - a.peak_bytes`` and category deltas sum, over
+The memory analysis of an HLO side is injected (``analyzer=``): the default is the memory model
+(:func:`memory_side`, what ``hloopt analyze`` computes); :func:`approx_side` is the entry-level
+approximation of :mod:`hloopt.report.approx`. Invariant: ``peak_delta_bytes == b.peak_bytes - a.peak_bytes`` and category deltas sum, over
 the union of categories, to the peak delta when both sides report categories.
 """
 
@@ -31,7 +31,7 @@ from hloopt.errors import UserError
 from hloopt.ir import Module
 from hloopt.report import LiveBuffer, mesh_of
 
-__all__ = ["Analyzer", "BufferChange", "DecisionChange", "MemoryDiff", "Side", "approx_side", "diff_sides",
+__all__ = ["Analyzer", "BufferChange", "DecisionChange", "MemoryDiff", "Side", "approx_side", "memory_side", "diff_sides",
            "load_side", "diff_paths"]
 
 
@@ -152,6 +152,43 @@ def approx_side(module: Module, label: str) -> Side:
                 model="entry-level liveness approximation")
 
 
+def memory_side(module: Module, label: str) -> Side:
+    """A Side from the memory model (:func:`hloopt.analysis.analyze`: the compiler's counting rules;
+    a snapshot's ``.json`` beside ``label`` supplies XLA's generated-code size, as ``hloopt analyze`` does)."""
+    from hloopt.analysis import analyze
+    from hloopt.passes.memory import _info, categorize
+
+    xla = None
+    side_json = Path(label).with_suffix(".json")
+    if side_json.is_file():
+        try:
+            mem = json.loads(side_json.read_text()).get("memory")
+            xla = {k: int(v) for k, v in mem.items()} if isinstance(mem, dict) else None
+        except (ValueError, AttributeError, TypeError):
+            xla = None
+    prof = analyze(module, top=1_000_000, xla=xla).profile
+    lr = prof.ranges
+    cats = prof.category_of or categorize(lr)
+
+    def lb(info: Any) -> LiveBuffer:
+        return LiveBuffer(name=info.name, shape=info.shape, bytes=info.bytes, category=info.category,
+                          op_name=info.op_name, source=info.source)
+
+    host, device = [], []
+    for r in lr.ranges():
+        b = r.buffer
+        if b.is_tuple_table:
+            continue
+        info = lb(_info(module, b, lr.size_bytes[b.id], cats.get(b.id, "temporaries"), r.start, r.end))
+        (host if b.on_host else device if b.on_device else []).append(info)
+    host.sort(key=lambda x: (-x.bytes, x.name))
+    shardings = [i.sharding for i in module.instructions() if i.sharding]
+    return Side(label=label, kind="hlo", peak_bytes=prof.peak_bytes, bytes_by_category=dict(prof.categories),
+                live_at_peak=tuple(lb(x) for x in prof.top), host_buffers=tuple(host), device_buffers=tuple(device),
+                num_partitions=module.num_partitions, mesh=mesh_of(shardings, module.num_partitions),
+                model="memory model (hloopt analyze)")
+
+
 def plan_side(path: str) -> Side:
     from hloopt.plan import Plan
 
@@ -172,7 +209,7 @@ def _is_plan_file(path: Path) -> bool:
     return '"schema"' in head or "hloopt.plan/" in head or head.lstrip().startswith("{")
 
 
-def load_side(spec: str, *, analyzer: Analyzer = approx_side) -> Side:
+def load_side(spec: str, *, analyzer: Analyzer = memory_side) -> Side:
     """A Side for ``spec``: a plan file, an HLO text file, or an XLA dump folder (via TARGET resolution)."""
     path = Path(spec)
     if _is_plan_file(path):
@@ -262,6 +299,6 @@ def diff_sides(a: Side, b: Side, *, top: int = 20) -> MemoryDiff:
                       decision_changes=tuple(decisions))
 
 
-def diff_paths(a: str, b: str, *, analyzer: Analyzer = approx_side, top: int = 20) -> MemoryDiff:
+def diff_paths(a: str, b: str, *, analyzer: Analyzer = memory_side, top: int = 20) -> MemoryDiff:
     """Load both sides and compare them."""
     return diff_sides(load_side(a, analyzer=analyzer), load_side(b, analyzer=analyzer), top=top)

@@ -38,15 +38,26 @@ def test_offloaded_buffers_moved_to_host_match_xla() -> None:
         assert sum(side.bytes_by_category.values()) == side.peak_bytes
 
 
+#: How close the memory model's peaks (and their change) must come to XLA's, as a share of XLA's peak.
+TOLERANCE = 0.05
+
+
+@pytest.mark.xfail(strict=True, reason="memory model under-counts the compiled Llama snapshots: 3940352 vs "
+                   "XLA 4860416 (no offload), 4085760 vs 5242880 (offload); change +145408 vs +382464")
 def test_peak_change_matches_xla_with_the_memory_model() -> None:
-    memory = pytest.importorskip("hloopt.passes.memory", reason="memory model (passes/memory.py) not landed yet")
-    analyzer = getattr(memory, "diff_side", None)
-    if analyzer is None:
-        pytest.skip("passes.memory has no diff_side(module, label) adapter yet")
-    d = diff_paths(str(BASE), str(OFFLOAD), analyzer=analyzer)
-    want = xla(OFFLOAD)["memory"]["peak_memory_in_bytes"] - xla(BASE)["memory"]["peak_memory_in_bytes"]
-    tolerance = getattr(memory, "TOLERANCE", 0.05) * xla(BASE)["memory"]["peak_memory_in_bytes"]
-    assert abs(d.peak_delta_bytes - want) <= tolerance
+    d = diff_paths(str(BASE), str(OFFLOAD))  # default analyzer: the memory model
+    assert d.a.model.startswith("memory model")
+    xa, xb = xla(BASE)["memory"]["peak_memory_in_bytes"], xla(OFFLOAD)["memory"]["peak_memory_in_bytes"]
+    # each side within the model's tolerance of XLA, and the change as well
+    assert d.a.peak_bytes == pytest.approx(xa, rel=TOLERANCE)
+    assert d.b.peak_bytes == pytest.approx(xb, rel=TOLERANCE)
+    assert abs(d.peak_delta_bytes - (xb - xa)) <= TOLERANCE * xa
+
+
+def test_approximation_also_finds_the_host_buffers() -> None:
+    d = diff_paths(str(BASE), str(OFFLOAD), analyzer=approx_side)
+    assert sum(c.b.bytes for c in d.moved_to_host) == xla(OFFLOAD)["memory"]["host_temp_size_in_bytes"]
+    assert d.peak_delta_bytes == d.b.peak_bytes - d.a.peak_bytes
 
 
 def test_same_module_has_no_changes() -> None:
