@@ -198,3 +198,19 @@ def test_browser_draws_plan_and_transfer_lanes(browser, tmp_path: Path) -> None:
     assert len(d2h) == len(h2d) == 1 and d2h[0] == pytest.approx(2 * h2d[0], rel=0.01)
     assert len(fwd) == len(bwd) == 1 and fwd[0] == pytest.approx(bwd[0], rel=0.01)
     assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_cli_report_writes_page_and_json(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hloopt.cli import cli
+
+    out = tmp_path / "r.html"
+    r = CliRunner().invoke(cli, ["report", str(ZOO / "llama.tpu-v5e.hlo"), "-o", str(out), "--budget", "2MiB",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    d = ReportData.from_dict(__import__("json").loads(r.output))
+    assert d.budget_bytes == 2 * MiB and d.baseline_peak_bytes == max(d.baseline_timeline)
+    assert out.read_text() == render_html(d)  # the page is the JSON's data, rendered
+    r = CliRunner().invoke(cli, ["report", str(tmp_path / "nope.hlo")])
+    assert r.exit_code == 2 and "nope.hlo" in r.output
