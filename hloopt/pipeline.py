@@ -288,12 +288,12 @@ def lower_for_plan(target: Any, profile: DeviceProfile, *, platform: str | None 
     from hloopt.lowering import lower
 
     plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
-    with progress(f"lowering {target.spec} for {compile or plat}"):
+    with progress(f"lowering {target.name} for {compile or plat}"):
         low = lower(target, platform=plat, policy=jax.checkpoint_policies.everything_saveable,
                     compile=compile)
     text = low.compiled_text if compile else low.hlo_text
     source = f"compiled:{compile}" if compile else f"lowered:{plat}"
-    return parse_module(text, filename=f"<{target.spec} {source}>"), source
+    return parse_module(text, filename=f"<{target.name} {source}>"), source
 
 
 def resolve_budget(spec: str | None, baseline_peak_bytes: int) -> int | None:
@@ -398,7 +398,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         an = analyze_module(module, profile, source=source, names=names)
         problem, _ = build_problem(an, profile)
     if not problem.candidates:
-        raise UserError(f"{tgt.spec}: found no forward->backward residuals to offload "
+        raise UserError(f"{tgt.name}: found no forward->backward residuals to offload "
                         "(is this a training step with a backward pass?)")
     baseline = simulate(problem, Decisions.all_device())
     budget_bytes = resolve_budget(budget, baseline.peak_bytes)
@@ -416,7 +416,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                         f"{budget_bytes} B")
     solver_info = {"name": sr.solver, "status": sr.status, "gap": sr.gap,
                    "time_s": round(time.perf_counter() - t0, 3)}
-    plan_obj = make_plan(tgt.spec, an, problem, profile, budget_spec=budget, budget_bytes=budget_bytes,
+    plan_obj = make_plan(tgt.name, an, problem, profile, budget_spec=budget, budget_bytes=budget_bytes,
                          mode=mode, decisions=decisions, result=result, baseline=baseline,
                          solver=solver_info, pareto=getattr(sr, "pareto", None) if pareto else None)
     anchors = run_anchors(problem)
