@@ -1,0 +1,94 @@
+"""hloopt.naming: residual names recovered by re-lowering, checked against JAX's own saved_residuals.
+
+Agreement (every zoo model, tiny): lowered with ``save_only_these_names(every name)``, the bytes
+hloopt attributes to each checkpoint_name in the pre-optimization HLO equal the bytes
+``jax._src.ad_checkpoint.saved_residuals`` reports as ``named '<name>'`` for the same loss.
+
+* Scan stacking: for llama/sharded (``lax.scan`` over layers) JAX's saved_residuals only sees the
+  scan's stacked outputs (``output of scan``), so JAX's side is computed on the same model with
+  ``scan_layers=False`` (same parameters, math and names, one checkpoint per unrolled layer); the
+  HLO side sees one ``[L, ...]`` stack per name, and L x per-layer bytes must equal the sum over
+  the unrolled layers.
+* Unnamed residuals (loss internals: ``exp``, ``abs``, ``ge`` of the cross-entropy; gather indices
+  from the batch) are compared in tests/test_residuals.py by structure, not by name; JAX also lists
+  arguments (``from the argument params[...]``), which hloopt counts as static inputs.
+* ``mlpwo`` (llama) is named but never a residual: the backward pass of the last matmul of a layer
+  does not read its output, so neither JAX nor the HLO saves it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import hloopt.lowering  # noqa: F401  (sets XLA_FLAGS before jax starts)
+from hloopt.errors import UserError
+from hloopt.targets import resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("mlp", "convnet", "gpt2", "llama", "sharded")
+
+
+def _source_name_lines(path: Path) -> set[tuple[str, int]]:
+    out = set()
+    for i, text in enumerate(path.read_text().splitlines(), 1):
+        for m in re.finditer(r'checkpoint_name\(.*,\s*"(\w+)"\)', text):
+            out.add((m.group(1), i))
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoint_name_sites_are_the_calls_in_the_source() -> None:
+    from hloopt.naming import checkpoint_names
+
+    sites = checkpoint_names(resolve(str(ROOT / "fixtures/zoo/llama.py:tiny")))
+    got = {(s.name, s.line) for s in sites if s.file.endswith("llama.py")}
+    assert got == _source_name_lines(ROOT / "fixtures/zoo/llama.py")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_bytes_per_name_equal_jax_saved_residuals(model: str) -> None:
+    import jax
+
+    from hloopt.naming import checkpoint_names, jax_bytes_by_name, jax_saved_residuals, name_residuals
+
+    target = resolve(str(ROOT / f"fixtures/zoo/{model}.py:tiny"))
+    names = sorted({s.name for s in checkpoint_names(target)})
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    saved = target.rebuild(policy=policy)
+    ours: dict[str, int] = {}
+    for r in name_residuals(saved).residuals:
+        if r.name:
+            ours[r.name] = ours.get(r.name, 0) + r.bytes
+    unrolled = target.rebuild(policy=policy, scan_layers=False) if model in ("llama", "sharded") else saved
+    theirs = jax_bytes_by_name(jax_saved_residuals(unrolled))
+    assert theirs, "JAX reports named residuals under save_only_these_names"
+    assert ours == theirs
+
+
+@pytest.mark.slow
+def test_default_policy_llama_layer_input_stack_is_selected_by_decoder_layer_input() -> None:
+    """Default policy saves only each layer's input: the [L,B,S,D] stack, which offloading
+    ``decoder_layer_input`` moves to host (the all-names probe no longer keeps it on device)."""
+    from hloopt.naming import name_residuals
+
+    probe = name_residuals(resolve(str(ROOT / "fixtures/zoo/llama.py:tiny")))
+    stacked = [r for r in probe.residuals if r.layers > 1]
+    assert [(r.name, r.layers, r.bytes) for r in stacked] == [("decoder_layer_input", 2, 2 * 2 * 32 * 64 * 4)]
+    assert 0 < probe.coverage < 1
+    # what offloading each name would move: per-layer query_proj is [B,S,H*hd] = [2,32,64] f32, 2 layers
+    q = [v for v in probe.values if v.name == "query_proj"]
+    assert [(v.per_layer_dims, v.layers, v.bytes) for v in q] == [((2, 32, 64), 2, 32768)]
+    assert "mlpwo" not in probe.bytes_by_name()
+
+
+def test_naming_an_hlo_target_is_a_user_error(tmp_path: Path) -> None:
+    from hloopt.naming import name_residuals
+
+    path = tmp_path / "m.hlo"
+    path.write_text("HloModule m\n\nENTRY e {\n  ROOT c = f32[] constant(1)\n}\n")
+    with pytest.raises(UserError, match="needs a JAX TARGET"):
+        name_residuals(resolve(str(path)))
