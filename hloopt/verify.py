@@ -21,7 +21,8 @@ kept the residuals on device). Only one libtpu compile may run at a time on a ma
 serialise (``flock /tmp/hloopt-tpu.flock``).
 
 Invariant: ``Verification.ok`` is true only when every offloaded decision has exactly its
-planned layers annotated, nothing else is annotated, and (when compiled) the compiled peak is
+planned layers annotated, nothing else is annotated, every name the plan keeps or recomputes
+exists in the program, and (when compiled) the compiled peak is
 within the budget and XLA placed bytes on the host.
 """
 
@@ -295,6 +296,11 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
                                     status=status, why=why))
         if status != "ok":
             problems.append(f"{d.key}: {why}")
+    for d in plan.decisions:
+        # Saving or recomputing a name the program does not define silently does nothing too.
+        if d.action != "offload" and d.selector.kind == "name" and d.selector.name not in defined:
+            problems.append(f"{d.key}: plans {d.action} for checkpoint_name {d.selector.name!r}, "
+                            "which the program does not define")
     unplanned = tuple(sorted((s, n) for s, n in remaining.items() if n > 0))
     if unplanned:
         problems.append("unplanned offloads: " + ", ".join(f"{n} x {s}" for s, n in unplanned))

@@ -105,9 +105,12 @@ def test_unrolled_layers_count_the_same() -> None:
 
 @pytest.mark.slow
 def test_a_name_the_program_never_defines_is_reported(tmp_path: Path) -> None:
-    plan = make_plan((offload("query_proj", BSD), offload("q_proj", BSD)))
+    kept = Decision(key="name:ctx", name="ctx", selector=Selector.by_name("ctx"), action="device",
+                    bytes=BSD * LAYERS, layers=LAYERS)
+    plan = make_plan((offload("query_proj", BSD), offload("q_proj", BSD), kept))
     code, out = invoke(tmp_path, plan)
     assert code == 1, out
+    assert "name:ctx: plans device for checkpoint_name 'ctx', which the program does not define" in out
     assert "BAD checkpoint_name 'q_proj': 0/2 layer(s) offloaded" in out
     assert "no checkpoint_name 'q_proj' in the program (it defines: context, decoder_layer_input, key_proj," in out
     assert "ok  checkpoint_name 'query_proj': 2/2 layer(s) offloaded" in out
