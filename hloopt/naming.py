@@ -183,6 +183,52 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
                      ambiguous=tuple(ambiguous))
 
 
+@dataclass(frozen=True)
+class TargetResiduals:
+    """What ``hloopt residuals`` shows: the residuals, names if known, and the peak they share."""
+
+    residuals: ResidualSet
+    probe: NameProbe | None
+    #: peak device bytes from the memory model (None when it could not run)
+    peak_bytes: int | None
+    peak_source: str = "hloopt memory model (no-fragmentation peak of the schedule)"
+
+    @property
+    def coverage(self) -> float | None:
+        return self.probe.coverage if self.probe is not None else None
+
+
+def residuals_of(target: str, *, size: str | None = None, platform: str = "tpu", names: bool = True) -> TargetResiduals:
+    """Resolve ``target``; HLO files and dumps are read as they are (no jax), JAX targets are lowered
+    (pre-optimization) and, with ``names``, named by :func:`name_residuals`."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.targets import resolve
+
+    tgt = resolve(target, size=size)
+    if tgt.kind == "jax":
+        module = lower_module(tgt, platform=platform)
+    else:
+        assert tgt.text is not None
+        module = parse_module(tgt.text, filename=str(tgt.path or target))
+    rs = find_residuals(module)
+    probe = name_residuals(tgt, baseline=rs, platform=platform) if names and tgt.kind == "jax" else None
+    if probe is not None:
+        rs = probe.residuals
+    return TargetResiduals(residuals=rs, probe=probe, peak_bytes=_peak(module))
+
+
+def _peak(module: Any) -> int | None:
+    try:
+        from hloopt.passes import AnalysisManager
+        from hloopt.passes.memory import PeakMemory
+    except ImportError:
+        return None
+    try:
+        return int(AnalysisManager(module).get(PeakMemory()).peak_bytes)
+    except Exception:  # the memory model is another analysis; its failure must not hide residuals
+        return None
+
+
 def _name_of(rs: ResidualSet, r: Residual, by_line: dict[tuple[str, int], set[str]]) -> str | None:
     from hloopt.passes.residuals import LIBRARY_PATHS
 
@@ -263,5 +309,5 @@ def jax_bytes_by_name(saved: Iterable[tuple[Any, str]]) -> dict[str, int]:
     return dict(out)
 
 
-__all__ = ["NameProbe", "NameSite", "NamedValue", "checkpoint_names", "jax_bytes_by_name", "jax_saved_residuals",
+__all__ = ["NameProbe", "NameSite", "NamedValue", "TargetResiduals", "residuals_of", "checkpoint_names", "jax_bytes_by_name", "jax_saved_residuals",
            "loss_function", "lower_module", "name_residuals", "offload_all_policy"]

@@ -27,6 +27,7 @@ PASSES: dict[str, str] = {
     "schedule": "schedule:Schedule",
     "liveness": "liveness:Liveness",
     "peak-memory": "memory:PeakMemory",
+    "residuals": "residuals:FindResiduals",
 }
 
 

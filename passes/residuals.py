@@ -56,6 +56,7 @@ from typing import ClassVar
 
 from hloopt.errors import UserError
 from hloopt.ir import Computation, Instruction, Module, Shape
+from hloopt.passes import Analysis, AnalysisManager
 
 #: path fragments of library frames skipped when looking for the user's source line
 LIBRARY_PATHS: tuple[str, ...] = ("site-packages", "jax/_src", "<site-packages>", "/jax/", "flax/", "optax/")
@@ -265,7 +266,7 @@ class ResidualGroup:
 
 
 @dataclass(frozen=True)
-class FindResiduals:
+class FindResiduals(Analysis[ResidualSet]):
     """Analysis: the :class:`ResidualSet` of a module (see the module docstring)."""
 
     name: ClassVar[str] = "residuals"
@@ -274,7 +275,7 @@ class FindResiduals:
     #: use op_name ``jvp(``/``transpose(`` to move forward-only derivations into F
     metadata_hints: bool = True
 
-    def run(self, module: Module) -> ResidualSet:
+    def run(self, module: Module, am: AnalysisManager | None = None) -> ResidualSet:
         return _find(module, loss_output=self.loss_output, hints=self.metadata_hints)
 
 
@@ -299,6 +300,39 @@ def group_by_selector(residuals: Iterable[Residual]) -> list[ResidualGroup]:
                                  source=r0.source_text))
     out.sort(key=lambda g: (-g.bytes, g.key))
     return out
+
+
+def describe(rs: ResidualSet, *, peak_bytes: int | None = None) -> list[dict[str, object]]:
+    """One JSON-able row per residual (largest first), for reports and ``hloopt residuals --json``."""
+    entry = rs.module.entry
+    assert entry is not None
+    order = entry.instructions
+    rows: list[dict[str, object]] = []
+    for r in sorted(rs.residuals, key=lambda r: (-r.bytes, r.position)):
+        first = order[r.first_backward_use]
+        rows.append({
+            "name": r.name,
+            "key": r.key,
+            "selectable_by": (f"checkpoint_name {r.name!r}" if r.name else
+                              f"{r.primitive} at {r.source_text}" if r.source else None),
+            "shape": r.shape.to_text(layout=False),
+            "per_layer_shape": f"{r.dtype}[{','.join(map(str, r.per_layer_dims))}]",
+            "bytes": r.bytes,
+            "per_layer_bytes": r.per_layer_bytes,
+            "layers": r.layers,
+            "producer": r.primitive,
+            "op_name": r.op_name,
+            "source": r.source_text or None,
+            "instruction": r.inst.name,
+            "forward_interval": [r.position, r.forward_last_use],
+            "first_backward_use": r.first_backward_use,
+            "first_backward_user": first.name,
+            "last_use": r.last_use,
+            "offloaded": r.offloaded,
+            # host bytes are not device memory: no share of the (device) peak
+            "peak_share": (r.bytes / peak_bytes) if peak_bytes and not r.offloaded else None,
+        })
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -855,5 +889,5 @@ def _involves_subtract(idx: list[Instruction]) -> bool:
     return False
 
 
-__all__ = ["FindResiduals", "LIBRARY_PATHS", "Residual", "ResidualGroup", "ResidualSet", "find_residuals",
+__all__ = ["FindResiduals", "describe", "LIBRARY_PATHS", "Residual", "ResidualGroup", "ResidualSet", "find_residuals",
            "group_by_selector", "is_host_annotation", "moves_to_host", "primitive_of", "trip_count"]

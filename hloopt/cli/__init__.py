@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "report": "report_cmd:report",
     "diff": "diff_cmd:diff",
     "plan": "plan_cmd:plan",
+    "residuals": "residuals_cmd:residuals",
 }
 
 
