@@ -1,0 +1,86 @@
+"""Solvers against hand-computed optima and each other; every plan replayed by the simulator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, Step
+from hloopt.simulator import lower_bound_peak, simulate
+from hloopt.solvers._model import OFF, REM, Model
+from hloopt.solvers.heuristic import solve_heuristic
+from hloopt.solvers.milp import solve_milp
+from hloopt.solvers.synthetic import transformer_problem
+
+MB = 1 << 20
+
+
+def two_candidates() -> Problem:
+    """10 steps of 1 ms; A (100 MB) offloads and hides; B (100 MB) only rematerializes (2 ms).
+
+    Both live over steps 1..8. Base is 1 GB at steps 3..6, 100 MB less at 2 and 7, 200 MB less
+    elsewhere. A's copies take 1 ms each, so A is off device exactly at steps 3..6 (its copy out
+    ends with step 2, its copy back starts with step 7); B's remat frees it at steps 2..7.
+    Budget 1 GB + 150 MB: steps 3..6 need one of them off: {A: offload}, 10 ms, by hand.
+    Budget 1 GB + 50 MB: steps 2 and 7 need B too: {A: offload, B: remat}, 12 ms.
+    """
+    base = [(1 << 30) - d * MB for d in (200, 200, 100, 0, 0, 0, 0, 100, 200, 200)]
+    steps = tuple(Step(1e-3, b) for b in base)
+    inst = Instance(bytes=100 * MB, produced=1, last_forward_use=1, first_backward_use=8, last_use=8)
+    a = Candidate("a", "a", "a", (inst,), frozenset({Action.DEVICE, Action.OFFLOAD}))
+    b = Candidate("b", "b", "b", (inst,), frozenset({Action.DEVICE, Action.REMAT}), remat_s=2e-3)
+    bw = 100 * MB / 1e-3  # 1 ms per copy: fits in the 6 ms gap
+    return Problem(steps, (b, a), bw, bw, bw, bw, 0.0)
+
+
+def test_model_matches_simulator_for_single_decisions():
+    p = transformer_problem(3, link_load=0.7, seed=3)
+    m = Model.build(p)
+    for ci, c in enumerate(p.candidates):
+        for col, act in ((OFF, Action.OFFLOAD), (REM, Action.REMAT)):
+            if act not in c.allowed:
+                continue
+            ch = np.zeros(len(p.candidates), dtype=np.int64)
+            ch[ci] = col
+            sim = simulate(p, Decisions({c.key: act}))
+            assert list(sim.timeline_bytes) == m.timeline(ch).tolist()
+            assert sim.step_time_s == pytest.approx(m.step_time(ch), abs=1e-12)
+
+
+@pytest.mark.parametrize("solve", ["heuristic", "milp"])
+def test_hand_built_optimum(solve):
+    p = two_candidates()
+    budget = (1 << 30) + 150 * MB
+    if solve == "heuristic":
+        r = solve_heuristic(p, budget_bytes=budget)
+    else:
+        r = solve_milp(p, budget_bytes=budget)
+        assert r.optimal and r.mip_gap == pytest.approx(0.0, abs=1e-9)
+    assert dict(r.decisions.actions) == {"a": Action.OFFLOAD}
+    assert r.sim.step_time_s == pytest.approx(10e-3)
+    assert r.sim.peak_bytes == (1 << 30) + 100 * MB
+    assert list(r.sim.timeline_bytes)[3:7] == [(1 << 30) + 100 * MB] * 4
+
+
+def test_hand_built_needs_both():
+    """A budget of 1 GB + 50 MB needs both off: the 2 ms remat is forced."""
+    p = two_candidates()
+    r = solve_milp(p, budget_bytes=(1 << 30) + 50 * MB)
+    assert dict(r.decisions.actions) == {"a": Action.OFFLOAD, "b": Action.REMAT}
+    assert r.sim.step_time_s == pytest.approx(12e-3)
+
+
+@pytest.mark.parametrize("layers", [2, 3, 5, 8, 16])
+@pytest.mark.parametrize("frac", [0.7, 0.3])
+def test_chains_milp_vs_heuristic(layers, frac):
+    p = transformer_problem(layers, link_load=1.2, seed=layers)
+    base = simulate(p, Decisions.all_device())
+    floor = lower_bound_peak(p)
+    budget = int(floor + (base.peak_bytes - floor) * frac)
+    h = solve_heuristic(p, budget_bytes=budget)
+    assert h.sim.peak_bytes <= budget
+    r = solve_milp(p, budget_bytes=budget, time_limit_s=20, incumbent=h.choice)
+    assert r.sim.peak_bytes <= budget
+    assert r.sim.step_time_s <= h.sim.step_time_s + 1e-12
+    if r.optimal:
+        assert h.sim.step_time_s <= 1.02 * r.sim.step_time_s
