@@ -35,10 +35,9 @@ Model (times in seconds, steps run in schedule order)::
 * **Device bytes** of an instance are live on the steps whose span meets them:
   DEVICE ``[produced, last_use]``; OFFLOAD ``[produced, max(last_forward_use, step where the
   D2H ends)]`` and ``[step where the H2D starts, last_use]``; REMAT ``[produced,
-  last_forward_use]`` and ``[first_backward_use, last_use]``. An instance without a gap
-  (``first_backward_use <= last_forward_use + ...`` so that the two intervals touch) costs the
-  union; an OFFLOAD instance with ``first_backward_use <= last_forward_use`` moves nothing and
-  stays on device.
+  last_forward_use]`` and ``[first_backward_use, last_use]``. Where the two intervals touch or
+  overlap, the instance counts once (their union). An OFFLOAD instance with
+  ``first_backward_use <= last_forward_use`` moves nothing and stays on device.
 * Memory at step ``t`` = ``base_bytes[t]`` + live instance bytes, summed with numpy difference
   arrays. Step time = end of the last step = compute time + exposed transfer time.
 

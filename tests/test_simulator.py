@@ -222,7 +222,7 @@ def brute_timeline(p: Problem, intervals) -> list[int]:
     return out
 
 
-PROP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROP = settings(max_examples=int(__import__("os").environ.get("SIM_EXAMPLES", 150)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @PROP
@@ -321,3 +321,20 @@ def test_fast_enough_for_search():
     elapsed = time.perf_counter() - t0
     assert len(r.transfers) == 2 * (N // 2)
     assert elapsed < 0.5, f"{elapsed:.3f} s"  # target 0.2 s; slack for a shared CPU
+
+
+@PROP
+@given(problem_and_decisions())
+def test_transfers_overlapping_the_other_direction_run_at_duplex_rate(pd):
+    p, d = pd
+    r = simulate(p, d)
+    sizes = {(c.key, i): x.bytes for c in p.candidates for i, x in enumerate(c.instances)}
+    lat = p.transfer_latency_s
+    rates = {"d2h": (p.d2h_bytes_per_s, p.duplex_d2h_bytes_per_s), "h2d": (p.h2d_bytes_per_s, p.duplex_h2d_bytes_per_s)}
+    tol = 1e-9 * max(r.step_time_s, 1e-12)
+    for k, i, dirn, s, e in r.transfers:
+        one, duplex = (lat + sizes[(k, i)] / rate for rate in rates[dirn])
+        assert e - s == pytest.approx(one, rel=1e-9) or e - s == pytest.approx(duplex, rel=1e-9)
+        other = [(s2, e2) for _, _, d2, s2, e2 in r.transfers if d2 != dirn]
+        if any(s2 < e - tol and e2 > s + tol for s2, e2 in other):
+            assert e - s == pytest.approx(duplex, rel=1e-9)
