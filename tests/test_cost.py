@@ -246,3 +246,27 @@ def test_options_are_checked_and_hashable():
         CostAnalysis(conditional="median")
     assert CostAnalysis() == CostAnalysis() and hash(CostAnalysis()) == hash(CostAnalysis())
     assert CostAnalysis(profile=load_profile("h100-sxm")) != CostAnalysis()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "gpt2", "llama", "convnet"])
+def test_pre_optimization_module_matches_jax_lowered_cost_analysis(model):
+    # jax's Lowered.cost_analysis() runs XLA's HloCostAnalysis on the unoptimized module: the same
+    # text we count (no fusions, so every elementwise op moves its own bytes).
+    import importlib
+    import sys
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import hloopt.lowering  # noqa: F401  (sets the host device count before jax starts)
+    import jax
+
+    step, args = importlib.import_module(f"fixtures.zoo.{model}").make("tiny")[:2]
+    lowered = jax.jit(step).trace(*args).lower(lowering_platforms=("cpu",))
+    xla = lowered.cost_analysis()
+    xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+    r = CostAnalysis().run(parse_module(lowered.as_text(dialect="hlo")))
+    assert r.totals_xla.flops == pytest.approx(xla["flops"], rel=0.02)
+    assert r.totals_xla.transcendentals == pytest.approx(xla["transcendentals"], rel=0.02)
+    assert r.totals_xla.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.10)
