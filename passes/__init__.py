@@ -28,6 +28,7 @@ PASSES: dict[str, str] = {
     "liveness": "liveness:Liveness",
     "peak-memory": "memory:PeakMemory",
     "residuals": "residuals:FindResiduals",
+    "cost": "cost:CostAnalysis",
 }
 
 

@@ -141,7 +141,8 @@ class InstructionCost:
 class CostResult:
     """Per-instruction costs (every instruction of every visited computation) and module totals."""
 
-    #: Instruction name -> its cost (instruction names are unique in a module).
+    #: Instruction name -> the cost of one execution of it (instruction names are unique in a
+    #: module): an instruction inside a loop body costs one iteration, the ``while`` all of them.
     per_instruction: Mapping[str, InstructionCost]
     #: Entry computation totals with loop trip counts applied.
     totals: Cost
