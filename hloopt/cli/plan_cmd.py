@@ -15,7 +15,7 @@ from hloopt.cli.params import Percent, device_options, profile_from_options
 @device_options
 @click.option("--budget", default=None,
               help="Device memory to fit: a size (12GiB) or a share of the all-on-device peak (75%).")
-@click.option("--max-slowdown", type=Percent(), default=None,
+@click.option("--max-slowdown", type=Percent, default=None,
               help="Least peak with the step at most this much slower (3%).")
 @click.option("--pareto", is_flag=True, help="The frontier of peak vs step time.")
 @click.option("--solver", type=click.Choice(["auto", "milp", "heuristic"]), default="auto", show_default=True)
