@@ -106,7 +106,6 @@ def list_schedule(comp: Computation) -> list[Instruction]:
                 heapq.heappush(heap, (priority(s), pos[s], s))
     if len(out) != len(insts):
         raise UserError(f"computation {comp.name} has a cycle: cannot schedule it")
-    # The root runs last when it can (XLA keeps the root at the end of a sequence).
     return out
 
 
