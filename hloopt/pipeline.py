@@ -173,7 +173,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
 
     groups: dict[str, list[Any]] = {}
     for r in residuals:
-        groups.setdefault(r.key, []).append(r)
+        groups.setdefault(relative_key(r.key), []).append(r)
 
     import numpy as np
 
@@ -215,7 +215,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         prod = _through_markers(r0.producer)
         candidates.append(Candidate(
             key=key, name=name, selector=selector, instances=tuple(instances), allowed=allowed,
-            remat_s=remat_s, source=r0.source_text, shape=_instance_shape(r0),
+            remat_s=remat_s, source=relative_source(r0.source_text), shape=_instance_shape(r0),
             primitive={"dot": "dot_general", "convolution": "conv_general_dilated"}.get(
                 prod.opcode, _primitive(prod)),
             dot_has_batch_dims=prod.opcode == "dot" and bool(prod.attr_ints("lhs_batch_dims")),
@@ -233,6 +233,19 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         notes={"module": module.name, "source": an.source},
     )
     return problem, smap
+
+
+def relative_source(text: str) -> str:
+    """``/abs/cwd/model.py:3`` -> ``model.py:3``: plans and reports do not depend on the checkout."""
+    import os
+
+    cwd = os.getcwd().rstrip(os.sep) + os.sep
+    return text[len(cwd):] if text.startswith(cwd) else text
+
+
+def relative_key(key: str) -> str:
+    head, sep, loc = key.partition("@")
+    return head + sep + relative_source(loc) if sep else key
 
 
 def _primitive(inst: Instruction) -> str:
@@ -354,7 +367,7 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
         decs.append(Decision(
             key=c.key, name=c.name, selector=sel, action=a.value, bytes=c.bytes,
             layers=len(c.instances), shape=c.shape, reason=_reason(c, a, problem), source=c.source,
-            values=tuple(sorted({r.inst.name for r in an.residuals if r.key == c.key})),
+            values=tuple(sorted({r.inst.name for r in an.residuals if relative_key(r.key) == c.key})),
         ))
     return Plan(
         target=target_spec, module=an.module.name, device=profile.to_dict(),
@@ -369,7 +382,8 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
                           gap=solver.get("gap"), time_s=float(solver.get("time_s", 0.0))),
         pareto=None if pareto is None else tuple(
             ParetoPoint(peak_bytes=p.peak_bytes, step_time_s=p.step_time_s,
-                        actions={k: v.value for k, v in p.decisions.actions.items()}) for p in pareto),
+                        actions={k: v.value for k, v in sorted(p.decisions.actions.items())})
+            for p in pareto),
     )
 
 
@@ -409,16 +423,19 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     with progress(f"searching {len(problem.candidates)} candidates"):
         sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,
                     solver=solver, time_limit_s=time_limit_s)
-    decisions = sr.decisions
+    chosen = sr.plan
+    decisions = chosen.decisions
     result = simulate(problem, decisions)
     if budget_bytes is not None and result.peak_bytes > budget_bytes:
         raise UserError(f"internal: the chosen plan replays to {result.peak_bytes} B over the budget "
                         f"{budget_bytes} B")
-    solver_info = {"name": sr.solver, "status": sr.status, "gap": sr.gap,
+    gap = chosen.mip_gap if chosen.mip_gap == chosen.mip_gap else None  # NaN: no MILP ran
+    status = chosen.status or ("optimal" if chosen.optimal else "feasible")
+    solver_info = {"name": chosen.solver, "status": status, "gap": gap,
                    "time_s": round(time.perf_counter() - t0, 3)}
     plan_obj = make_plan(tgt.name, an, problem, profile, budget_spec=budget, budget_bytes=budget_bytes,
                          mode=mode, decisions=decisions, result=result, baseline=baseline,
-                         solver=solver_info, pareto=getattr(sr, "pareto", None) if pareto else None)
+                         solver=solver_info, pareto=list(sr.pareto) if pareto else None)
     anchors = run_anchors(problem)
     return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written)
 

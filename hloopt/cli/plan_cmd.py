@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from hloopt.cli.params import Percent, device_options, profile_from_options
+from hloopt.cli.params import Percent, device_options, profile_from_options, user_errors
 
 
 @click.command()
@@ -38,55 +38,56 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
          out_path: str | None, emit_format: str, html_path: str | None, force: bool, as_json: bool,
          quiet: bool, **device_kw: object) -> int:
     """Plan what to offload (or recompute) so TARGET fits the budget at the least step time."""
-    from hloopt import pipeline
-    from hloopt.report.terminal import make_console, progress
+    with user_errors():
+        from hloopt import pipeline
+        from hloopt.report.terminal import make_console, progress
 
-    from hloopt.units import parse_budget
+        from hloopt.units import parse_budget
 
-    if budget is not None:
-        parse_budget(budget)  # a malformed budget is one line before any work
-    budget_spec = budget
-    profile = profile_from_options(**device_kw)  # type: ignore[arg-type]
-    console = make_console(quiet=quiet or as_json)
+        if budget is not None:
+            parse_budget(budget)  # a malformed budget is one line before any work
+        budget_spec = budget
+        profile = profile_from_options(**device_kw)  # type: ignore[arg-type]
+        console = make_console(quiet=quiet or as_json)
 
-    def prog(label: str):  # type: ignore[no-untyped-def]
-        return progress(label, console=console, quiet=quiet or as_json)
+        def prog(label: str):  # type: ignore[no-untyped-def]
+            return progress(label, console=console, quiet=quiet or as_json)
 
-    outcome = pipeline.plan(target, profile=profile, budget=budget_spec, max_slowdown=max_slowdown,
-                            pareto=pareto, platform=platform, compile=compile_target, solver=solver,
-                            time_limit_s=time_limit_s, size=size, progress=prog)
-    text = outcome.plan.to_json()
-    if out_path:
-        from hloopt.fileio import write_text_atomic
+        outcome = pipeline.plan(target, profile=profile, budget=budget_spec, max_slowdown=max_slowdown,
+                                pareto=pareto, platform=platform, compile=compile_target, solver=solver,
+                                time_limit_s=time_limit_s, size=size, progress=prog)
+        text = outcome.plan.to_json()
+        if out_path:
+            from hloopt.fileio import write_text_atomic
 
-        write_text_atomic(out_path, text, force=force)
-    if html_path:
-        from hloopt.fileio import write_text_atomic
-        from hloopt.report.adapt import report_data_from_outcome
-        from hloopt.report.html import render_html
+            write_text_atomic(out_path, text, force=force)
+        if html_path:
+            from hloopt.fileio import write_text_atomic
+            from hloopt.report.adapt import report_data_from_outcome
+            from hloopt.report.html import render_html
 
-        write_text_atomic(html_path, render_html(report_data_from_outcome(outcome)), force=force)
-    if as_json:
-        sys.stdout.write(text)
+            write_text_atomic(html_path, render_html(report_data_from_outcome(outcome)), force=force)
+        if as_json:
+            sys.stdout.write(text)
+            return 0
+        _print_outcome(outcome, console)
+        if emit_format == "python":
+            from hloopt.emit import python_snippet
+
+            console.print("\n[bold]Policy[/bold] (paste into your jax.checkpoint):")
+            click.echo(python_snippet(outcome.plan))
+        elif emit_format == "maxtext":
+            from hloopt.emit import maxtext_yaml
+
+            console.print("\n[bold]MaxText config[/bold]:")
+            click.echo(maxtext_yaml(outcome.plan, strict=False))
+        else:
+            click.echo(text)
+        if out_path:
+            console.print(f"wrote {out_path}")
+        if html_path:
+            console.print(f"wrote {html_path}")
         return 0
-    _print_outcome(outcome, console)
-    if emit_format == "python":
-        from hloopt.emit import python_snippet
-
-        console.print("\n[bold]Policy[/bold] (paste into your jax.checkpoint):")
-        click.echo(python_snippet(outcome.plan))
-    elif emit_format == "maxtext":
-        from hloopt.emit import maxtext_yaml
-
-        console.print("\n[bold]MaxText config[/bold]:")
-        click.echo(maxtext_yaml(outcome.plan, strict=False))
-    else:
-        click.echo(text)
-    if out_path:
-        console.print(f"wrote {out_path}")
-    if html_path:
-        console.print(f"wrote {html_path}")
-    return 0
 
 
 def _print_outcome(outcome: object, console: object) -> None:
