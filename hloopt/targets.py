@@ -103,6 +103,10 @@ def resolve(target: str, *, size: str | None = None, factory_kwargs: Mapping[str
 
 
 def _load_factory(target: str, spec: str, attr: str) -> Callable[..., Any]:
+    # The program imports jax: hloopt.lowering must set JAX_PLATFORMS=cpu first, or jax starts
+    # every backend, libtpu among them (log noise on stderr, and its machine-wide lockfile).
+    import hloopt.lowering  # noqa: F401
+
     if spec.endswith(".py"):
         path = Path(spec)
         if not path.is_file():

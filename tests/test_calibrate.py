@@ -64,7 +64,7 @@ def test_cpu_only_machine_exits_2_with_one_line() -> None:
     result = CliRunner().invoke(cli, ["calibrate"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "Error: no accelerator: JAX's default backend is cpu; calibrate needs a TPU or GPU"]
+        "hloopt: error: no accelerator: JAX's default backend is cpu; calibrate needs a TPU or GPU"]
 
 
 def test_cpu_only_main_returns_2(capsys: pytest.CaptureFixture[str]) -> None:

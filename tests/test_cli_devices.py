@@ -82,7 +82,7 @@ def test_devices_reads_a_profile_file(tmp_path: Path) -> None:
 def test_bad_input_exit_2_one_line(args: list[str], needle: str) -> None:
     code, out = run(*args)
     assert code == 2
-    error_lines = [line for line in out.splitlines() if line.startswith("Error:")]
+    error_lines = [line for line in out.splitlines() if line.startswith("hloopt: error:")]
     assert len(error_lines) == 1
     assert needle in error_lines[0]
 
@@ -92,7 +92,7 @@ def test_malformed_profile_file_exit_2(tmp_path: Path) -> None:
     path.write_text('name = "x"\nkind = "gpu"\n')
     code, out = run("devices", str(path))
     assert code == 2
-    assert out.strip() == f"Error: {path}: missing field 'hbm_bytes'"
+    assert out.strip() == f"hloopt: error: {path}: missing field 'hbm_bytes'"
 
 
 def test_param_types_convert_and_fail() -> None:

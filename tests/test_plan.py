@@ -175,4 +175,4 @@ def test_cli_exits_2_with_one_line_for_bad_plans(tmp_path: Path, content: str,
         # The real entry point prints one line, no traceback.
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith(f"Error: {path}: "), err
+        assert len(err) == 1 and err[0].startswith(f"hloopt: error: {path}: "), err

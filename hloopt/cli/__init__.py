@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import click
 
@@ -41,6 +42,18 @@ class LazyGroup(click.Group):
         mod, attr = spec.split(":")
         return getattr(importlib.import_module(f"hloopt.cli.{mod}"), attr)
 
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        """Like click's, but every error a user can cause prints as ``hloopt: error: ...`` (one
+        line, plus a caret snippet for HLO) with exit status 2, also under ``CliRunner``."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except (UserError, click.ClickException, click.exceptions.Abort) as err:
+            sys.exit(report_error(err))
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="hloopt")
@@ -48,21 +61,39 @@ def cli() -> None:
     """What fills accelerator memory in a JAX training step, and what to offload to host."""
 
 
+def one_line(text: str) -> str:
+    """``text`` with its lines joined: an error message is one line whatever an exception said."""
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def report_error(err: BaseException) -> int:
+    """Print an error the user caused (UserError, a click usage error, an abort) as
+    ``hloopt: error: ...`` on stderr; return the exit status (2, or 1 for an abort)."""
+    if isinstance(err, click.exceptions.Abort):
+        click.echo("hloopt: aborted", err=True)
+        return 1
+    detail = getattr(err, "detail", None)
+    if isinstance(err, UserError):
+        message, code = str(err), err.exit_code
+    elif isinstance(err, click.ClickException):
+        message, code = err.format_message(), err.exit_code
+        ctx = getattr(err, "ctx", None)
+        if isinstance(err, click.UsageError) and ctx is not None:
+            message += f" (see '{ctx.command_path} --help')"
+    else:  # pragma: no cover - callers pass only the types above
+        raise err
+    click.echo(f"hloopt: error: {one_line(message)}", err=True)
+    if detail:
+        click.echo(detail, err=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: run the CLI; user errors print one line (plus a snippet) and exit 2."""
     try:
         rv = cli.main(args=argv, prog_name="hloopt", standalone_mode=False)
-    except UserError as err:
-        click.echo(f"hloopt: error: {err}", err=True)
-        if err.detail:
-            click.echo(err.detail, err=True)
-        return err.exit_code
-    except click.exceptions.Abort:
-        click.echo("hloopt: aborted", err=True)
-        return 1
-    except click.ClickException as err:
-        err.show()
-        return 2
+    except (UserError, click.ClickException, click.exceptions.Abort) as err:
+        return report_error(err)
     except BrokenPipeError:
         return 0
     return rv if isinstance(rv, int) else 0

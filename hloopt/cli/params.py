@@ -72,9 +72,21 @@ Percent = PercentType()
 
 
 class CliUserError(click.ClickException):
-    """A :class:`UserError` surfaced through click: one line, exit status 2."""
+    """A :class:`UserError` surfaced through click: ``hloopt: error: ...`` (one line, plus the
+    error's ``detail`` such as a caret snippet), exit status 2."""
 
     exit_code = 2
+
+    def __init__(self, message: str, *, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+    def show(self, file: Any = None) -> None:
+        from hloopt.cli import one_line
+
+        click.echo(f"hloopt: error: {one_line(self.format_message())}", file=file, err=file is None)
+        if self.detail:
+            click.echo(self.detail, file=file, err=file is None)
 
 
 @contextlib.contextmanager
@@ -83,7 +95,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        raise CliUserError(str(err)) from err
+        raise CliUserError(str(err), detail=err.detail) from err
 
 
 def device_options(f: F) -> F:
