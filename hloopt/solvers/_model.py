@@ -173,3 +173,106 @@ class Model:
         """Nominal step time: compute + recompute + reload stalls (each alone)."""
         return self.compute_s + float(self.added_s()[np.arange(self.n_cands), choice].sum())
 
+
+    # -- evaluation with the link's queues ----------------------------------------------------
+
+    def link_eval(self, choice: np.ndarray) -> "LinkEval":
+        """Timeline and step time under ``choice`` with the link's queues (see :class:`LinkEval`)."""
+        return LinkEval.of(self, choice)
+
+
+def _lindley(ready: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """End times of a FIFO server: ``e[k] = max(ready[k], e[k-1]) + dur[k]`` (vectorized).
+
+    With ``C`` the running sum of ``dur``: ``e[k] = C[k] + max_{j<=k}(ready[j] - C[j-1])``.
+    """
+    if len(ready) == 0:
+        return np.zeros(0)
+    c = np.cumsum(dur)
+    return c + np.maximum.accumulate(ready - (c - dur))
+
+
+@dataclass(frozen=True, eq=False)
+class LinkEval:
+    """The nominal model plus the link's queues, as the simulator runs them (no duplex slowdown).
+
+    * Copies out are served first come first served in production order (one queue; with ``k``
+      DMA engines each copy occupies the queue for ``1/k`` of its time): Lindley's recursion,
+      vectorized with a running maximum.
+    * Reloads are planned as late as possible in earliest-deadline-first order, backwards from
+      their deadlines (the same recursion on negated times), then run forward: a reload starts at
+      ``max(planned + stall so far, its copy out's end, previous reload's end)`` and a late one
+      stalls the backward step (one Python loop over the offloaded instances).
+
+    ``gap0``/``gap1``: steps each offloaded instance is off device (the simulator's rule for the
+    step holding the copy out's end and the planned reload start). Remat instances use the
+    nominal gap. Used by the heuristic to rank and check moves; the simulator stays the judge.
+    """
+
+    timeline: np.ndarray     # (T,) device bytes
+    stall_s: float           # total stall
+    step_time_s: float
+    off: np.ndarray          # offloaded instance indices (moving something)
+    d2h_end_s: np.ndarray    # per offloaded instance, in ``off`` order
+    reload_start_s: np.ndarray  # planned (nominal) reload start, in ``off`` order
+    late_s: np.ndarray       # stall each reload caused, in ``off`` order
+
+    @staticmethod
+    def of(m: "Model", choice: np.ndarray) -> "LinkEval":
+        act = choice[m.inst_cand]
+        k = max(1, m.problem.dma_engines)
+        off = np.nonzero((act == OFF) & (m.gap0[:, REM] <= m.first_bwd - 1))[0]
+        # Copies out: FIFO in production order.
+        order = off[np.argsort(m.produced[off], kind="stable")]
+        ready = m.end_s[m.produced[order]]
+        d = m.d2h_s[order]
+        end = _lindley(ready, d / k) + d * (1 - 1 / k)
+        d2h_end = np.empty(m.inst_bytes.shape[0])
+        d2h_end[order] = end
+        # Reloads: ALAP plan backwards in EDF order.
+        edf = off[np.lexsort((off, m.first_bwd[off]))]
+        dl = m.reload_deadline_s[edf]
+        h = m.h2d_s[edf]
+        rev = slice(None, None, -1)
+        plan_start = np.empty(m.inst_bytes.shape[0])
+        plan_start[edf] = -_lindley(-dl[rev], h[rev] / k)[rev] - h * (1 - 1 / k)
+        # Run forward: stalls.
+        window = m.problem.prefetch_window_steps
+        release = d2h_end[edf]
+        if window is not None:
+            release = np.maximum(release, m.start_s[np.maximum(m.first_bwd[edf] - window, 0)])
+        late = np.zeros(m.inst_bytes.shape[0])
+        shift = 0.0
+        free = -np.inf
+        for j, p, r, hh, dd in zip(edf.tolist(), plan_start[edf].tolist(), release.tolist(),
+                                   (h / k).tolist(), dl.tolist()):
+            s = p + shift
+            if r > s:
+                s = r
+            if free > s:
+                s = free
+            e = s + hh
+            free = e
+            over = e - (dd + shift)
+            if over > 1e-15:
+                late[j] = over
+                shift += over
+        tl = m.dev_bytes.copy()
+        diff = np.zeros(m.n_steps + 1, dtype=np.int64)
+        if len(off):
+            hold = np.searchsorted(m.end_s, d2h_end[off], side="left")
+            lfu = m.gap0[off, REM] - 1
+            g0 = np.maximum(lfu, hold) + 1
+            g1 = np.minimum(np.searchsorted(m.end_s, plan_start[off], side="right"), m.first_bwd[off]) - 1
+            ok = g0 <= g1
+            np.add.at(diff, g0[ok], -m.inst_bytes[off][ok])
+            np.add.at(diff, g1[ok] + 1, m.inst_bytes[off][ok])
+        rem = np.nonzero(act == REM)[0]
+        if len(rem):
+            g0, g1 = m.gap0[rem, REM], m.gap1[rem, REM]
+            ok = g0 <= g1
+            np.add.at(diff, g0[ok], -m.inst_bytes[rem][ok])
+            np.add.at(diff, g1[ok] + 1, m.inst_bytes[rem][ok])
+        tl += np.cumsum(diff[:-1])
+        remat_s = float(m.remat_s[choice == REM].sum())
+        return LinkEval(tl, shift, m.compute_s + remat_s + shift, off, d2h_end[off], plan_start[off], late[off])
