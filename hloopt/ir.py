@@ -458,7 +458,7 @@ class Module:
     @property
     def num_partitions(self) -> int:
         v = self.header_attrs.get("num_partitions")
-        return int(v) if v and v.isdigit() else 1
+        return int(v) if v and v.isdecimal() else 1
 
     def instructions(self) -> Iterator[Instruction]:
         for c in self.computations.values():
@@ -601,9 +601,9 @@ def parse_metadata(text: str) -> Metadata:
         elif k == "source_file":
             source_file = unquote(v)
         elif k == "source_line":
-            source_line = int(v) if v.lstrip("-").isdigit() else 0
+            source_line = int(v) if v.lstrip("-").isdecimal() else 0
         elif k == "stack_frame_id":
-            stack_frame_id = int(v) if v.isdigit() else 0
+            stack_frame_id = int(v) if v.isdecimal() else 0
         else:
             extra.append((k, v))
     return Metadata(op_name, op_type, source_file, source_line, stack_frame_id, tuple(extra))

@@ -157,6 +157,24 @@ REQUIRED_ATTRS: dict[str, tuple[str, ...]] = {
     "set-dimension-size": ("dimensions",),
 }
 
+_UNARY = _ACCURACY_UNARY + (
+    "abs all-gather-done all-reduce-done round-nearest-afz round-nearest-even bitcast ceil clz "
+    "collective-permute-done copy copy-done opt-barrier imag is-finite floor not negate popcnt "
+    "real sign convert bitcast-convert copy-start reshape while recv recv-done send-done "
+    "get-tuple-element fft cholesky broadcast reverse slice transpose infeed reduce-precision "
+    "domain get-dimension-size topk").split()
+_BINARY = ("add divide multiply subtract atan2 complex maximum minimum power remainder and or xor "
+           "shift-left shift-right-arithmetic shift-right-logical stochastic-convert "
+           "add-dependency convolution triangular-solve compare pad outfeed send gather "
+           "set-dimension-size").split()
+#: Operand counts XLA's parser requires (``expects N operands``).
+OPCODE_ARITY: dict[str, int] = {
+    **{op: 1 for op in _UNARY}, **{op: 2 for op in _BINARY},
+    "iota": 0, "replica-id": 0, "partition-id": 0, "rng-get-and-update-state": 0,
+    "clamp": 3, "select": 3, "select-and-scatter": 3, "batch-norm-training": 3,
+    "batch-norm-inference": 5, "batch-norm-grad": 5,
+}
+
 #: Opcodes with a native ``-start``/``-done`` form (not async sugar).
 _NATIVE_ASYNC = frozenset({
     "all-gather-start", "all-gather-done", "all-reduce-start", "all-reduce-done",
@@ -213,6 +231,12 @@ def check_module(mod: Module, fail: Fail, *, header_fail: Callable[[str, str, in
 
 def _check_instruction(inst: Instruction, fail: Fail, async_callers: dict[str, Instruction]) -> None:
     op = inst.opcode
+    # Fast path for the opcodes whose only rules are an operand count and an attribute set.
+    arity = _SIMPLE_ARITY.get(op)
+    if arity is not None and len(inst.operands) == arity:
+        attrs = inst.attrs
+        if not attrs or (attrs.keys() <= _ALLOWED_ALL[op] and "result_accuracy" not in attrs):
+            return
     form = None
     allowed = OPCODE_ATTRS.get(op, False)
     if allowed is False:
@@ -227,6 +251,14 @@ def _check_instruction(inst: Instruction, fail: Fail, async_callers: dict[str, I
     elif op.startswith("async-"):
         form = (op[6:], "")
     attrs = inst.attrs
+    arity = OPCODE_ARITY.get(op)
+    if arity is not None and len(inst.operands) != arity:
+        fail(inst, f"expects {arity} operand{'s' if arity != 1 else ''}, but has "
+                   f"{len(inst.operands)} operands", needle=op + "(")
+    elif op in ("reduce", "reduce-window") and len(inst.operands) % 2:
+        fail(inst, f"expects an even number of operands, but has {len(inst.operands)} operands")
+    elif op == "scatter" and len(inst.operands) % 2 == 0:
+        fail(inst, f"expects an odd number of operands, but has {len(inst.operands)} operands")
     if allowed is not None and attrs:
         if op == "conditional" and inst.operands:
             s = inst.operands[0].shape
@@ -490,7 +522,7 @@ def _check_buffer_donor(value: str, header_fail: Callable[[str, str, int], NoRet
         off = m.start(2)
         for part in m.group(2).split(","):
             stripped = part.strip()
-            if stripped and not stripped.isdigit():
+            if stripped and not re.fullmatch(r"[0-9]+", stripped):
                 header_fail("buffer_donor", "expects integer", off + part.index(stripped))
             off += len(part) + 1
         p = m.end()
@@ -714,5 +746,15 @@ _CHECKS: dict[str, Callable[[Instruction, Fail], None]] = {
     "constant": _check_constant,
 }
 
-__all__ = ["API_VERSIONS", "COMMON_ATTRS", "KNOWN_OPCODES", "OPCODE_ATTRS", "REQUIRED_ATTRS",
+#: Opcode -> its attributes plus the common ones (for the fast path).
+_ALLOWED_ALL: dict[str, frozenset[str]] = {
+    op: a | COMMON_ATTRS for op, a in OPCODE_ATTRS.items() if a is not None}
+#: Opcodes checked by operand count and attribute set alone -> their operand count.
+_SIMPLE_ARITY: dict[str, int] = {
+    op: n for op, n in OPCODE_ARITY.items()
+    if op not in REQUIRED_ATTRS and op not in _CHECKS and op in _ALLOWED_ALL
+    and op not in ("broadcast", "conditional")}
+
+__all__ = ["API_VERSIONS", "COMMON_ATTRS", "KNOWN_OPCODES", "OPCODE_ARITY", "OPCODE_ATTRS",
+           "REQUIRED_ATTRS",
            "async_form", "check_module"]

@@ -20,6 +20,7 @@ bound), so hostile input cannot exhaust the stack.
 
 from __future__ import annotations
 
+import gc
 import re
 from typing import Callable, NoReturn
 
@@ -60,6 +61,29 @@ _LONG_OPERAND = re.compile(
 _TABLE_ROW = re.compile(r"[ \t]*(\d+)[ \t]+(\"(?:[^\"\\]|\\.)*\"|\{[^{}\n]*\})[ \t]*\n?")
 _KV = re.compile(r"([\w]+)=(-?\d+)")
 _DIM = re.compile(r"\s*(<=)?\s*(\d+|\?)\s*")
+
+_PARAM_NUMBER = re.compile(r"[0-9]{1,9}")
+# Fast path: a whole one-line instruction with an array shape, operands without parens, quotes
+# or comments, and attribute values that are simple tokens, strings or brace groups without
+# nesting (what JAX and XLA print for nearly every instruction). Anything else falls back to the
+# general recursive-descent path, which gives the same result.
+_STR_FAST = r'"[^"\\\n]*(?:\\.[^"\\\n]*)*"'
+_ATTR_VALUE_FAST = (r'(?:[^,\s{}()\[\]"]+|' + _STR_FAST + r'|\{[^{}"\n]*(?:' + _STR_FAST
+                    + r'[^{}"\n]*)*\})')
+_FAST_INST = re.compile(
+    r"(ROOT[ \t]+)?%?([A-Za-z_$][\w.\-$]*)[ \t]*=[ \t]*"
+    r"([a-z][a-z0-9]*\[[^\]\[\n]*\](?:\{[^{}\n]*\})?)[ \t]+"
+    r"([a-z][a-z0-9\-_]*)\(([^()\n\"/]*)\)"
+    r"((?:[ \t]*,[ \t]*[A-Za-z_][\w\-.]*=" + _ATTR_VALUE_FAST + r")*)"
+    r"[ \t]*(?=\n|$)")
+_FAST_ATTR = re.compile(r"[ \t]*,[ \t]*([A-Za-z_][\w\-.]*)=(" + _ATTR_VALUE_FAST + r")")
+_FAST_NAME = r"%?[A-Za-z_$][\w.\-$]*"
+_SHORT_OPS = re.compile(r"[ \t]*" + _FAST_NAME + r"[ \t]*(?:,[ \t]*" + _FAST_NAME + r"[ \t]*)*")
+_LONG_OP = r"[a-z][a-z0-9]*\[[^\]\[]*\](?:\{[^{}]*\})?[ \t]+" + _FAST_NAME
+_LONG_OPS = re.compile(r"[ \t]*" + _LONG_OP + r"[ \t]*(?:,[ \t]*" + _LONG_OP + r"[ \t]*)*")
+_LONG_OP_ITEM = re.compile(r"([a-z][a-z0-9]*\[[^\]\[]*\](?:\{[^{}]*\})?)[ \t]+%?([A-Za-z_$][\w.\-$]*)")
+_WS_FAST = re.compile(r"[ \t\r\n]*")
+_CALLED_KEYS = frozenset(CALLED_COMPUTATION_ATTRS)
 
 _OPEN = {"{": "}", "[": "]", "(": ")"}
 
@@ -312,6 +336,8 @@ class _Parser:
                 j += 1
             arg = tail[m.end():j]
             key = m.group(1)
+            if key in ("E", "S") and not re.fullmatch(r"[0-9]{1,9}", arg.strip()):
+                raise self.error(pos, f"expected an integer in {key}(...) of the layout, found {arg!r}")
             if key == "E":
                 esize = int(arg)
             elif key == "S":
@@ -550,40 +576,50 @@ class _Parser:
     def computation_body(self, comp: Computation, pos: int) -> tuple[Computation, int]:
         """Parse ``{ instruction* }`` starting at the '{'."""
         text = self.text
+        n = self.n
         saved_nested = self._nested
         self._nested = []
         pos = self.ws(pos + 1)
-        roots = 0
+        instructions = comp.instructions
+        by_name = comp.by_name
+        fast_match = _FAST_INST.match
+        fast = self._fast_instruction
         while True:
-            if pos >= self.n:
+            if pos >= n:
                 raise self.error(pos, f"computation {comp.name!r} is not closed with '}}'")
             if text[pos] == "}":
                 pos += 1
                 break
-            inst, pos = self.instruction(pos)
-            if self._nested:
-                for nested in self._nested:
-                    nested.index = len(comp.instructions)
-                    nested.parent = comp
-                    comp.instructions.append(nested)
-                    comp.by_name[nested.name] = nested
-                self._nested = []
-            if inst.name in comp.by_name:
-                raise self.error(pos, f"instruction {inst.name!r} is defined twice in {comp.name!r}")
-            inst.index = len(comp.instructions)
+            start = pos
+            fm = fast_match(text, pos)
+            got = fast(fm) if fm is not None else None
+            if got is not None:
+                inst, pos = got
+            else:
+                inst, pos = self.instruction(pos)
+                pos = self.ws(pos)
+                if self._nested:
+                    for nested in self._nested:
+                        nested.index = len(instructions)
+                        nested.parent = comp
+                        instructions.append(nested)
+                        by_name[nested.name] = nested
+                    self._nested = []
+            name = inst.name
+            if name in by_name:
+                raise self.error(start, f"instruction {name!r} is defined twice in {comp.name!r}")
+            inst.index = len(instructions)
             inst.parent = comp
-            comp.instructions.append(inst)
-            comp.by_name[inst.name] = inst
+            instructions.append(inst)
+            by_name[name] = inst
             if inst.is_root:
-                roots += 1
-                if roots > 1:
-                    raise self.error(pos, f"computation {comp.name!r} has more than one ROOT")
+                if comp.root is not None:
+                    raise self.error(start, f"computation {comp.name!r} has more than one ROOT")
                 comp.root = inst
-            pos = self.ws(pos)
-        if not comp.instructions:
+        if not instructions:
             raise self.error(pos - 1, f"computation {comp.name!r} has no instructions")
         if comp.root is None:
-            comp.root = comp.instructions[-1]
+            comp.root = instructions[-1]
             comp.root.is_root = True
         self._nested = saved_nested
         return comp, pos
@@ -621,6 +657,74 @@ class _Parser:
         span = self.span(m.start(2))
         return self._instruction_body(name, span, m.group(1) is not None, m.end(), 0)
 
+    def _fast_instruction(self, m: re.Match[str]) -> tuple[Instruction, int] | None:
+        """Build a one-line instruction matched by ``_FAST_INST``; None -> use the general path."""
+        text = self.text
+        root, name, shape_text, opcode, seg, attr_text = m.groups()
+        shape = _SHAPE_CACHE.get(shape_text)
+        if shape is None:
+            shape, end = self.shape(m.start(3))
+            if end != m.end(3):
+                return None
+        name_pos = m.start(2)
+        inst = Instruction(name, opcode, shape)
+        # Incremental line/column (see span()).
+        if name_pos >= self._line_pos:
+            self._line_no += text.count("\n", self._line_pos, name_pos)
+            self._line_pos = name_pos
+            inst.span = (self._line_no, name_pos - text.rfind("\n", 0, name_pos))
+        else:
+            inst.span = self.span(name_pos)
+        if root is not None:
+            inst.is_root = True
+        if opcode == "parameter" or opcode == "constant":
+            lit = seg.strip()
+            if opcode == "parameter" and not _PARAM_NUMBER.fullmatch(lit):
+                return None
+            inst.literal = lit
+            inst.operands = []
+        elif not seg or seg.isspace():
+            inst.operands = []
+        elif "[" not in seg:
+            if _SHORT_OPS.fullmatch(seg) is None:
+                return None
+            inst.operands = [x.strip() for x in seg.replace("%", "").split(",")]  # type: ignore[misc]
+        else:
+            if _LONG_OPS.fullmatch(seg) is None:
+                return None
+            items = _LONG_OP_ITEM.findall(seg)
+            inst.operands = [nm for _, nm in items]  # type: ignore[misc]
+            cache = _SHAPE_CACHE
+            shapes: list[Shape | None] = []
+            for st, _ in items:
+                s = cache.get(st)
+                if s is None:
+                    s = parse_shape(st)
+                    cache[st] = s
+                shapes.append(s)
+            inst.operand_shapes = shapes
+        if attr_text:
+            pairs = _FAST_ATTR.findall(attr_text)
+            attrs = dict(pairs)
+            if len(attrs) != len(pairs) or "literal" in attrs:
+                return None  # a repeated attribute (error) or a literal=: the general path
+            if attrs.keys() & _CALLED_KEYS:
+                for k in attrs.keys() & _CALLED_KEYS:
+                    if attrs[k][0] == "{" and "=" in attrs[k]:
+                        return None  # an inline computation
+            inst.attrs = attrs
+            md = attrs.get("metadata")
+            if md is not None:
+                inst._metadata_text = md
+        p = _WS_FAST.match(text, m.end()).end()
+        if p < self.n:
+            c = text[p]
+            if c == ",":
+                return None  # attributes continue on the next line
+            if c == "/":
+                p = self.ws(p)
+        return inst, p
+
     def _instruction_body(self, name: str, span: tuple[int, int], is_root: bool, p: int,
                           depth: int) -> tuple[Instruction, int]:
         text = self.text
@@ -646,7 +750,7 @@ class _Parser:
         body_start = open_pos + 1
         if opcode in ("parameter", "constant"):
             inst.literal = text[body_start:seg_end].strip()
-            if opcode == "parameter" and not inst.literal.isdigit():
+            if opcode == "parameter" and not _PARAM_NUMBER.fullmatch(inst.literal):
                 raise self.expected(body_start, "parameter number")
             inst.operands = []
             names: list[str] = []
@@ -758,7 +862,7 @@ class _Parser:
                 inst.operands = ops
                 if inst.operand_shapes is not None:
                     for i, (s, op) in enumerate(zip(inst.operand_shapes, ops)):
-                        if s is not None and not s.same_dims(op.shape):
+                        if s is not None and s is not op.shape and not s.same_dims(op.shape):
                             raise self.error(self._pos_of(inst), f"operand {i} of {inst.name!r} is "
                                              f"written as {s.to_text(layout=False)} but "
                                              f"{op.name!r} has shape {op.shape.to_text(layout=False)}")
@@ -770,9 +874,9 @@ class _Parser:
                     params[num] = inst
                 attrs = inst.attrs
                 if attrs:
-                    for key, role in CALLED_COMPUTATION_ATTRS.items():
-                        v = attrs.get(key)
-                        if v is None:
+                    for key, v in attrs.items():
+                        role = CALLED_COMPUTATION_ATTRS.get(key)
+                        if role is None:
                             continue
                         for cname in _computation_names(v):
                             callee = comps.get(cname)
@@ -841,11 +945,19 @@ def parse_module(text: str, *, filename: str = "<string>", name: str | None = No
         raise HloParseError("unexpected NUL byte (binary file?)", filename=filename, line=line,
                             col=col, source_line=src.replace("\0", " "))
     default = name or _stem(filename)
-    mod = _Parser(text, filename).module(default)
-    if verify:
-        from hloopt.hlo.verifier import verify_module
+    # The parser allocates millions of long-lived objects and frees none: the cyclic GC would
+    # rescan the growing heap over and over (8x the parse time on a 200k-instruction module).
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        mod = _Parser(text, filename).module(default)
+        if verify:
+            from hloopt.hlo.verifier import verify_module
 
-        verify_module(mod, text=text)
+            verify_module(mod, text=text, linked=True)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return mod
 
 

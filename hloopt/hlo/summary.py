@@ -105,7 +105,7 @@ def summarize(mod: Module) -> ModuleSummary:
         copy_dones=opcodes.get("copy-done", 0),
         sharded_instructions=sharded,
         num_partitions=mod.num_partitions,
-        replica_count=int(rc) if rc.isdigit() else 1,
+        replica_count=int(rc) if rc.isdecimal() else 1,
         is_scheduled=mod.is_scheduled,
         entry_computation=entry.name,
     )

@@ -21,13 +21,16 @@ def _where(mod: Module, inst: Instruction | None, comp: Computation | None = Non
     return f"{mod.filename}:{line}:{col}" if line else mod.filename
 
 
-def verify_module(mod: Module, *, text: str | None = None) -> None:
+def verify_module(mod: Module, *, text: str | None = None, linked: bool = False) -> None:
     """Raise :class:`HloVerifyError` on the first structural problem found.
 
     ``text``: the source the module was parsed from, for a caret snippet under the problem.
+    ``linked``: the module comes straight from the parser, whose linking already guarantees one
+    root per computation, operands from the same computation and callees in the module.
     """
     try:
-        _check_structure(mod)
+        if not linked:
+            _check_structure(mod)
         for comp in mod.computations.values():
             _verify_computation(mod, comp)
         _check_call_graph(mod)
@@ -116,6 +119,20 @@ def _verify_computation(mod: Module, comp: Computation) -> None:
 
 
 def _check_acyclic(mod: Module, comp: Computation) -> None:
+    # Fast path: when every operand and control predecessor comes earlier in the list, the text
+    # order is a topological order and there is no cycle (nearly every real module).
+    forward = False
+    for k, inst in enumerate(comp.instructions):
+        for p in inst.operands:
+            # ``index`` is the position in the parent's list when the parent is this computation
+            if p.parent is not comp or p.index >= k or comp.instructions[p.index] is not p:
+                forward = True
+                break
+        if forward or inst.control_predecessors:
+            forward = True
+            break
+    if not forward:
+        return
     # Kahn's algorithm over operand + control edges; iterative so deep graphs cannot overflow.
     indeg = {id(i): 0 for i in comp.instructions}
     succ: dict[int, list[Instruction]] = {id(i): [] for i in comp.instructions}
@@ -143,7 +160,7 @@ def _check_call_graph(mod: Module) -> None:
     for root in mod.computations.values():
         if color.get(root.name):
             continue
-        stack = [(root, iter([c for i in root.instructions for c in i.called_computations]))]
+        stack = [(root, iter(_callees(root)))]
         color[root.name] = 1
         while stack:
             comp, it = stack[-1]
@@ -158,4 +175,8 @@ def _check_call_graph(mod: Module) -> None:
                                      f"(a cycle in the call graph through {comp.name!r})")
             if c == 0:
                 color[nxt.name] = 1
-                stack.append((nxt, iter([x for i in nxt.instructions for x in i.called_computations])))
+                stack.append((nxt, iter(_callees(nxt))))
+
+
+def _callees(comp: Computation) -> list[Computation]:
+    return [c for i in comp.instructions if i.called for cs in i.called.values() for c in cs]
