@@ -72,13 +72,12 @@ class Row:
     plan_peak_bytes: int
     plan_time_s: float
     solver: str
+    #: the anchors that have both a lower peak and a lower step time than our plan
+    dominated_by: tuple[str, ...] = ()
 
     @property
     def dominated(self) -> bool:
-        if self.anchor_peak_bytes is None:
-            return False
-        return (self.anchor_peak_bytes < self.plan_peak_bytes
-                and self.anchor_time_s < self.plan_time_s * (1 - TIME_TOL))
+        return bool(self.dominated_by)
 
     @property
     def slower(self) -> bool:
@@ -94,15 +93,22 @@ def compare(problem: Problem, *, time_limit_s: float = 30.0) -> tuple[list[Row],
 
     base = simulate(problem, Decisions.all_device())
     floor = lower_bound_peak(problem)
+    anchors = run_anchors(problem)
+
+    def beaten_by(peak: int, time_s: float) -> tuple[str, ...]:
+        return tuple(a.name for a in anchors
+                     if a.peak_bytes < peak and a.step_time_s < time_s * (1 - TIME_TOL))
+
     rows: list[Row] = []
-    for a in run_anchors(problem):
+    for a in anchors:
         sr = search(problem, budget_bytes=max(a.peak_bytes, floor), time_limit_s=time_limit_s)
         rows.append(Row(a.name, a.peak_bytes, a.peak_bytes, a.step_time_s,
-                        sr.plan.peak_bytes, sr.plan.step_time_s, sr.plan.solver))
+                        sr.plan.peak_bytes, sr.plan.step_time_s, sr.plan.solver,
+                        beaten_by(sr.plan.peak_bytes, sr.plan.step_time_s)))
     budget = int(floor + 0.75 * (base.peak_bytes - floor))
     sr = search(problem, budget_bytes=budget, time_limit_s=time_limit_s)
     rows.append(Row("(75% floor->peak)", budget, None, None, sr.plan.peak_bytes, sr.plan.step_time_s,
-                    sr.plan.solver))
+                    sr.plan.solver, beaten_by(sr.plan.peak_bytes, sr.plan.step_time_s)))
     info = {"baseline_peak_bytes": base.peak_bytes, "baseline_time_s": base.step_time_s,
             "floor_bytes": floor, "candidates": len(problem.candidates)}
     return rows, info
@@ -135,7 +141,8 @@ def main() -> int:
                           f"least peak {format_bytes(info['floor_bytes'])} (build {t1 - t0:.1f} s, "
                           f"search {t2 - t1:.1f} s)", flush=True)
                 for r in rows:
-                    flag = "DOMINATED" if r.dominated else ("slower" if r.slower else "")
+                    flag = (f"DOMINATED by {','.join(r.dominated_by)}" if r.dominated
+                            else ("slower" if r.slower else ""))
                     bad += bool(flag)
                     ap_ = "-" if r.anchor_peak_bytes is None else format_bytes(r.anchor_peak_bytes)
                     at_ = "-" if r.anchor_time_s is None else format_seconds(r.anchor_time_s)
