@@ -22,31 +22,61 @@ from hloopt.units import format_bytes
 @click.option("--top", type=click.IntRange(0), default=10, show_default=True,
               help="How many buffers live at the peak to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option("--html", "html_path", default=None, metavar="PATH",
+              help="Also write the HTML report (timeline by category, live buffers) here.")
+@click.option("--device", "device", metavar="NAME", default=None,
+              help="Device profile the HTML report draws (HBM line, rates); default tpu-v5e.")
+@click.option("--force", is_flag=True, help="Overwrite an --html file hloopt did not write.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress display; with --html, print nothing but errors.")
 def analyze(target: str, platform: str | None, compile_: str | None, size: str | None,
-            schedule: str | None, top: int, as_json: bool) -> None:
+            schedule: str | None, top: int, as_json: bool, html_path: str | None, device: str | None,
+            force: bool, quiet: bool) -> None:
     """Peak device memory of TARGET (HLO file, XLA dump, or file.py:factory) and what fills it."""
     from hloopt.analysis import analyze as run
+    from hloopt.report.terminal import make_console, progress
 
     with user_errors():
-        report = run(target, platform=platform, compile=compile_, top=top, schedule=schedule, size=size)
+        with progress(f"analyzing {target}", console=make_console(stderr=True), quiet=quiet or as_json):
+            report = run(target, platform=platform, compile=compile_, top=max(top, 50) if html_path else top,
+                         schedule=schedule, size=size)
+        if html_path:
+            from hloopt.devices import load_profile
+            from hloopt.fileio import write_text_atomic
+            from hloopt.report.adapt import report_data_from_memory
+            from hloopt.report.html import render_html
+
+            data = report_data_from_memory(report, load_profile(device or "tpu-v5e").to_dict())
+            write_text_atomic(html_path, render_html(data), force=force)
+            report.profile.top = report.profile.top[:top]
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
         return
+    if quiet and html_path:
+        return
     _show(report)
+    if html_path:
+        click.echo(f"wrote {html_path}")
 
 
 def _show(report) -> None:  # type: ignore[no-untyped-def]
-    from rich.console import Console
     from rich.table import Table
 
     from hloopt.report.terminal import bar, sparkline
 
-    console = Console()
+    from hloopt.report.terminal import make_console
+
+    console = make_console()
     j = report.to_json()
     p = report.profile
     summary = Table(title=f"{j['module']} ({j['source']}, {j['settings'].get('kind', '')})", show_header=False)
     summary.add_column("what")
     summary.add_column("value", justify="right")
+    mod = report.profile.ranges.module
+    if mod.num_partitions > 1:
+        from hloopt.report.adapt import _mesh
+
+        mesh = "x".join(map(str, _mesh(mod))) or "?"
+        summary.add_row("devices", f"{mod.num_partitions} (mesh {mesh}); figures are per device")
     summary.add_row("peak", format_bytes(j["peak_bytes"]))
     summary.add_row("at", f"step {j['peak_at']['index']} of {j['num_steps']}: {j['peak_at']['instruction']}")
     summary.add_row("arguments", format_bytes(j["argument_bytes"]))

@@ -41,6 +41,8 @@ class LiveBuffer:
     op_name: str = ""
     #: ``file:line`` of the JAX code that made it, when known.
     source: str = ""
+    #: What the plan does with it when it is a residual candidate (``offload``, ``remat``, ``device``).
+    action: str = ""
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,16 @@ MAX_POINTS = 2000
 #: Colors of well-known categories; others take the palette in order.
 CATEGORY_COLORS = {
     "parameter": "#4e79a7", "parameters": "#4e79a7", "weights": "#4e79a7",
-    "optimizer": "#76b7b2", "optimizer_state": "#76b7b2",
-    "residual": "#e15759", "residuals": "#e15759", "activation": "#e15759",
+    "optimizer": "#76b7b2", "optimizer_state": "#76b7b2", "optimizer state": "#76b7b2",
+    "inputs": "#9c755f", "input": "#9c755f",
+    "residual": "#e15759", "residuals": "#e15759",
+    "activation": "#ff9da7", "activations": "#ff9da7",
     "temporary": "#f28e2b", "temporaries": "#f28e2b",
-    "output": "#59a14f", "outputs": "#59a14f", "gradient": "#59a14f",
-    "constant": "#bab0ac", "other": "#bab0ac",
+    "output": "#59a14f", "outputs": "#59a14f",
+    "gradient": "#b07aa1", "gradients": "#b07aa1",
+    "constant": "#bab0ac", "static": "#bab0ac", "other": "#d3d3d3",
 }
-_PALETTE = ["#9c755f", "#edc948", "#b07aa1", "#ff9da7", "#86bcb6", "#8cd17d", "#d4a6c8"]
+_PALETTE = ["#edc948", "#86bcb6", "#8cd17d", "#d4a6c8", "#9d7660", "#a0cbe8"]
 
 # Chart geometry (SVG user units).
 _W, _H = 1000, 340
@@ -345,11 +348,13 @@ def render_html(data: ReportData) -> str:
         transfer_sec = ('<section><h2>Transfer schedule</h2><p class="note">Compute (forward, backward) and '
                         'the DMA lanes of the plan over one step; hover a bar for its residual.</p>'
                         f'{transfer}</section>')
-    live_rows = [[(b.name, b.name), (b.shape, b.shape), (format_bytes(b.bytes), b.bytes), (b.category, b.category),
-                  (b.op_name or "-", b.op_name), (b.source or "-", b.source)] for b in data.live_at_peak]
-    live = _table("live-table", [("buffer", "text"), ("shape", "text"), ("bytes", "num"), ("category", "text"),
-                                 ("op", "text"), ("source", "text")], live_rows) if live_rows else \
-        '<p class="note">No buffer list was given.</p>'
+    with_plan = any(b.action for b in data.live_at_peak)
+    live_rows = [[(b.name, b.name), (b.shape, b.shape), (format_bytes(b.bytes), b.bytes), (b.category, b.category)]
+                 + ([(b.action or "-", b.action)] if with_plan else [])
+                 + [(b.op_name or "-", b.op_name), (b.source or "-", b.source)] for b in data.live_at_peak]
+    live = _table("live-table", [("buffer", "text"), ("shape", "text"), ("bytes", "num"), ("category", "text")]
+                  + ([("plan", "text")] if with_plan else []) + [("op", "text"), ("source", "text")],
+                  live_rows) if live_rows else '<p class="note">No buffer list was given.</p>'
     res_rows = [[(r.name or r.key, r.name or r.key), (r.shape, r.shape), (format_bytes(r.bytes), r.bytes),
                  (str(r.layers), r.layers), (r.action, r.action), (r.reason or "-", r.reason),
                  (r.source or "-", r.source)] for r in data.residuals]
