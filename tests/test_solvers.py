@@ -8,7 +8,7 @@ import pytest
 from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, Step
 from hloopt.simulator import lower_bound_peak, simulate
 from hloopt.solvers._model import OFF, REM, Model
-from hloopt.solvers.heuristic import solve_heuristic
+from hloopt.solvers.heuristic import HeuristicFailed, solve_heuristic
 from hloopt.solvers.milp import solve_milp
 from hloopt.solvers.synthetic import transformer_problem
 
@@ -70,17 +70,37 @@ def test_hand_built_needs_both():
     assert r.sim.step_time_s == pytest.approx(12e-3)
 
 
-@pytest.mark.parametrize("layers", [2, 3, 5, 8, 16])
-@pytest.mark.parametrize("frac", [0.7, 0.3])
-def test_chains_milp_vs_heuristic(layers, frac):
-    p = transformer_problem(layers, link_load=1.2, seed=layers)
+def _milp_vs_heuristic(layers, load, frac):
+    p = transformer_problem(layers, link_load=load, seed=layers)
     base = simulate(p, Decisions.all_device())
     floor = lower_bound_peak(p)
     budget = int(floor + (base.peak_bytes - floor) * frac)
-    h = solve_heuristic(p, budget_bytes=budget)
+    try:
+        h = solve_heuristic(p, budget_bytes=budget)
+    except HeuristicFailed:
+        # "Always a plan when one exists": the MILP must not find one either.
+        with pytest.raises(RuntimeError):
+            solve_milp(p, budget_bytes=budget, time_limit_s=10)
+        return
     assert h.sim.peak_bytes <= budget
-    r = solve_milp(p, budget_bytes=budget, time_limit_s=20, incumbent=h.choice)
+    assert simulate(p, h.decisions).peak_bytes == h.sim.peak_bytes
+    r = solve_milp(p, budget_bytes=budget, time_limit_s=10, incumbent=h.choice)
     assert r.sim.peak_bytes <= budget
     assert r.sim.step_time_s <= h.sim.step_time_s + 1e-12
     if r.optimal:
         assert h.sim.step_time_s <= 1.02 * r.sim.step_time_s
+
+
+@pytest.mark.parametrize("layers", [2, 3, 5, 8])
+@pytest.mark.parametrize("load", [2.0, 1.2])
+@pytest.mark.parametrize("frac", [0.7, 0.3])
+def test_chains_milp_vs_heuristic(layers, load, frac):
+    _milp_vs_heuristic(layers, load, frac)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [16, 32, 64])
+@pytest.mark.parametrize("load", [2.0, 1.5, 1.0, 0.5])
+@pytest.mark.parametrize("frac", [0.5, 0.2])
+def test_long_chains_milp_vs_heuristic(layers, load, frac):
+    _milp_vs_heuristic(layers, load, frac)
