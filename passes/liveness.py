@@ -44,6 +44,7 @@ from typing import ClassVar, Iterator
 from hloopt.ir import Computation, Instruction, Module, Shape
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import CONTROL_FLOW, Aliasing, Buffer, BufferAliasing
+from hloopt.passes.fusion_model import TpuFusion
 from hloopt.passes.schedule import Schedule
 
 MATERIALIZE: tuple[str, ...] = ("all", "tpu-fusion")
@@ -233,7 +234,8 @@ class Liveness(Analysis[LiveRanges]):
         time = {inst: t for t, inst in enumerate(steps)}
         last = len(steps) - 1
 
-        fused = fused_away(aliasing, time) if self.materialize == "tpu-fusion" else set()
+        plan = am.get(TpuFusion()) if self.materialize == "tpu-fusion" else None  # passes/fusion_model.py
+        fused = plan.fused if plan is not None else frozenset()
         # Last step reading each instruction; a fused-away reader reads on behalf of its readers.
         last_read: dict[Instruction, int] = {}
         for inst in reversed(steps):
@@ -271,7 +273,7 @@ class Liveness(Analysis[LiveRanges]):
         for b in aliasing.buffers:
             if start[b.id] < 0:
                 continue
-            size = b.size_bytes
+            size = plan.buffer_bytes(b) if plan is not None else b.size_bytes
             if self.alignment_bytes > 1 and size:
                 size = -(-size // self.alignment_bytes) * self.alignment_bytes
             sizes[b.id] = size
