@@ -57,6 +57,8 @@ class SearchResult:
     plan: Plan
     baseline: SimResult
     least_peak_bytes: int
+    #: Least step time any plan reaches: at a budget, compute time plus the LP relaxation's
+    #: optimum (:func:`hloopt.solvers.bounds.least_time_s`); else compute time.
     least_time_s: float
     budget_bytes: int | None
     pareto: tuple[Plan, ...] = ()
@@ -114,6 +116,7 @@ def search(
     if budget_bytes is not None:
         check_budget(problem, budget_bytes)
         plan = _fit(problem, m, budget_bytes, solver, time_limit_s)
+        tmin = least_time_s(problem, budget_bytes=budget_bytes, model=m)
         return SearchResult(plan, base, floor, tmin, budget_bytes, solve_s=time.perf_counter() - t0)
 
     # The least-peak end: every candidate off device as far as it goes.
