@@ -196,11 +196,15 @@ def test_expected_found_with_caret() -> None:
     ("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT a = f32[2] frobnicate(p)\n}\n", 4,
      "unknown opcode"),
     ("HloModule m\nENTRY e {\n  p = f32[2]{1} parameter(0)\n}\n", 3, "not a permutation"),
+    # a bad operand shape in long form is reported in the file, not in a "<shape>" sub-parse
+    ("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT a = f32[2] add(f32[-1] p, f32[2] p)\n}\n",
+     4, "expected dimension, found '-1'"),
     ("HloModule m\nENTRY e {\n  ROOT p = f32[2] parameter(0), metadata={op_name=\"x}\n}\n", 3,
      "unterminated string"),
 ])
 def test_malformed(text: str, line: int, phrase: str) -> None:
     e = _err(text)
+    assert str(e).startswith("bad.hlo:"), str(e)
     assert e.line == line, str(e)
     assert phrase in str(e)
     assert "\n" not in str(e) and e.detail.splitlines()[-1].strip() == "^"

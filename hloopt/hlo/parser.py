@@ -692,16 +692,18 @@ class _Parser:
         else:
             if _LONG_OPS.fullmatch(seg) is None:
                 return None
-            items = _LONG_OP_ITEM.findall(seg)
-            inst.operands = [nm for _, nm in items]  # type: ignore[misc]
             cache = _SHAPE_CACHE
+            names: list[str] = []
             shapes: list[Shape | None] = []
-            for st, _ in items:
+            for item in _LONG_OP_ITEM.finditer(text, m.start(5), m.end(5)):
+                st, nm = item.groups()
                 s = cache.get(st)
                 if s is None:
-                    s = parse_shape(st)
+                    s, _ = self.shape(item.start(1))  # errors point into the file
                     cache[st] = s
                 shapes.append(s)
+                names.append(nm)
+            inst.operands = names  # type: ignore[assignment]
             inst.operand_shapes = shapes
         if attr_text:
             pairs = _FAST_ATTR.findall(attr_text)
