@@ -99,3 +99,33 @@ def test_predicted_peak_within_10_percent_of_libtpu_without_code(stem: str) -> N
     assert report.profile.code_bytes == 0
     want = xla["peak_memory_in_bytes"] - xla["generated_code_size_in_bytes"]
     assert report.peak_bytes == pytest.approx(want, rel=0.10)
+
+
+#: XLA's figures at size "small" (recorded from one libtpu compile each)
+SMALL = {k: v for k, v in json.loads((Path(__file__).parent / "preopt_small_xla.json").read_text()).items()
+         if not k.startswith("_")}
+#: measured error at size "small", where > 10%
+SMALL_MISSES = {"llama": +0.346}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xfail(
+    strict=True, reason=f"small: measured {SMALL_MISSES[m]:+.1%}")) if m in SMALL_MISSES else m
+    for m in sorted(SMALL)])
+def test_small_models_predicted_peak_within_10_percent(model: str) -> None:
+    """Lowered here (no compile); XLA's numbers come from the checked-in JSON."""
+    from hloopt.lowering import lower
+    from hloopt.targets import resolve
+
+    xla = SMALL[model]
+    lowered = lower(resolve(f"fixtures/zoo/{model}.py:small"), platform="tpu")
+    report = analyze(parse_module_text(lowered.hlo_text), platform="tpu")
+    assert report.profile.output_bytes == xla["output_size_in_bytes"]
+    want = xla["peak_memory_in_bytes"] - xla["generated_code_size_in_bytes"]
+    assert report.peak_bytes == pytest.approx(want, rel=0.10)
+
+
+def parse_module_text(text: str):  # type: ignore[no-untyped-def]
+    from hloopt.hlo.parser import parse_module
+
+    return parse_module(text, filename="<lowered>")
