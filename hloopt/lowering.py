@@ -147,6 +147,7 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
     """
     import jax
 
+    label = _label(step_fn)
     step_fn, args, kwargs = _resolve_step(step_fn, args, kwargs, policy)
     if platform not in PLATFORMS:
         raise UserError(f"unknown platform {platform!r}: expected one of {', '.join(PLATFORMS)}")
@@ -160,8 +161,14 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
         raise UserError("partitioned=True needs compile= (XLA partitions while compiling)")
 
     jitted = _jit(step_fn, donate_argnums)
-    traced = jitted.trace(*args, **kwargs)
-    lowered = traced.lower(lowering_platforms=(platform,))
+    try:
+        traced = jitted.trace(*args, **kwargs)
+        lowered = traced.lower(lowering_platforms=(platform,))
+    except UserError:
+        raise
+    except Exception as err:  # the user's step failed to trace: their program, not ours
+        raise UserError(f"{label}: tracing the step for {platform} failed: "
+                        f"{type(err).__name__}: {_first_line(err)}") from err
     hlo_text = lowered.as_text(dialect="hlo", debug_info=True)
     if compile is None:
         return Lowered(platform=platform, hlo_text=hlo_text)
@@ -180,7 +187,7 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
         try:
             compiled = jitted.trace(*placed_args, **placed_kwargs).lower().compile(compiler_options=options)
         except jax.errors.JaxRuntimeError as err:
-            raise UserError(f"XLA could not compile the step for {compile}: {str(err).splitlines()[0]}") from err
+            raise xla_error(err, compile) from err
         return _compiled_result(platform, hlo_text, compile, topology, compiled, dump_dir)
 
     import tempfile
@@ -195,7 +202,7 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
         try:
             compiled = jitted.trace(*placed_args, **placed_kwargs).lower().compile(compiler_options=options)
         except jax.errors.JaxRuntimeError as err:
-            compiled, error = None, f"XLA could not compile the step for {compile}: {str(err).splitlines()[0]}"
+            compiled, error = None, str(xla_error(err, compile))
         written = sorted(f for f in set(where.iterdir()) - before
                          if _PARTITIONED_FILE.search(f.name))
         part_text = written[-1].read_text() if written else None
@@ -217,6 +224,36 @@ def _compiled_result(platform: str, hlo_text: str, compile: str, topology: str |
         cost=MappingProxyType(cost_stats(compiled)),
         dump_dir=Path(dump_dir) if dump_dir is not None else None,
     )
+
+
+def xla_error(err: BaseException, compile: str) -> UserError:
+    """A one-line UserError for an error XLA or libtpu raised while compiling for ``compile``.
+
+    libtpu lets one process at a time use it (``/tmp/libtpu_lockfile``); a second one fails with
+    ``ABORTED: Internal error when accessing libtpu multi-process lockfile``. Removing the file, as
+    that message suggests, would break the process holding it, so we say to wait instead.
+    """
+    first = _first_line(err)
+    if "lockfile" in first or "already in use" in first:
+        return UserError(f"cannot compile for {compile}: libtpu is in use by another process "
+                         f"(one process at a time may use it); wait for it to finish and retry ({first})")
+    if "RESOURCE_EXHAUSTED" in first:
+        return UserError(f"the step does not fit {compile}'s memory: XLA says {first}")
+    return UserError(f"XLA could not compile the step for {compile}: {first}")
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _label(step_fn: Any) -> str:
+    """How errors name the step: the TARGET as written, or the function's name."""
+    from hloopt.targets import Target
+
+    if isinstance(step_fn, Target):
+        return step_fn.name
+    return str(getattr(step_fn, "__name__", None) or type(step_fn).__name__)
 
 
 def memory_stats(compiled: Any) -> dict[str, int]:
@@ -288,10 +325,14 @@ def _mesh_size(*trees: Any) -> int:
 def _tpu_devices(compile: str, n_devices: int) -> tuple[str, list[Any]]:
     if not has_libtpu():
         raise UserError("TPU compile needs libtpu: pip install 'hloopt[tpu]'")
+    import jax
     from jax.experimental import topologies
 
     for name in TPU_TOPOLOGIES[compile]:
-        topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        try:
+            topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+        except jax.errors.JaxRuntimeError as err:
+            raise xla_error(err, compile) from err
         if len(topo.devices) >= n_devices:
             return name, list(topo.devices)
     raise UserError(f"no {compile} topology known to hloopt has {n_devices} devices "
