@@ -387,6 +387,8 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
         raise UserError(f"{s}: no such device profile file")
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{s}: not a text file (a TOML or JSON device profile expected)") from None
     except OSError as err:
         raise UserError(f"{s}: cannot read: {err.strerror}") from None
     fmt = "json" if path.suffix.lower() == ".json" else "toml"

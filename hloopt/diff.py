@@ -204,7 +204,7 @@ def _is_plan_file(path: Path) -> bool:
     try:
         with path.open(encoding="utf-8") as f:
             head = f.read(4096)
-    except OSError:
+    except (OSError, UnicodeDecodeError):  # not a readable text file: not a plan
         return False
     return '"schema"' in head or "hloopt.plan/" in head or head.lstrip().startswith("{")
 

@@ -79,8 +79,12 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     from hloopt.passes.liveness import Liveness
     from hloopt.passes.residuals import find_residuals
 
-    am = AnalysisManager(module)
+    from hloopt.passes.inline import inline_calls
+
     pre_opt = not module.is_scheduled
+    if pre_opt:
+        module = inline_calls(module)  # XLA inlines calls before it assigns buffers
+    am = AnalysisManager(module)
     ranges = am.get(Liveness(materialize="tpu-fusion" if pre_opt else "all"))
     timeline = ranges.entry_timeline(ranges.bytes_per_step(memory_space=0))
     host = ranges.entry_timeline(ranges.bytes_per_step(memory_space=5))
@@ -171,9 +175,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
             steps.append(Step(an.step_s[e] / n, an.timeline_bytes[e], label, e >= backward_start))
     smap = StepMap(first, count)
 
-    groups: dict[str, list[Any]] = {}
-    for r in residuals:
-        groups.setdefault(relative_key(r.key), []).append(r)
+    groups = candidate_groups(residuals)
 
     import numpy as np
 
@@ -208,16 +210,16 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
             contrib[ins.produced] += ins.bytes
             contrib[ins.last_use + 1] -= ins.bytes
         r0 = rs[0]
-        allowed = frozenset({Action.DEVICE, Action.OFFLOAD, Action.REMAT}) if any(
-            _under_checkpoint(r) for r in rs) else frozenset({Action.DEVICE})
+        prod = _through_markers(r0.producer)
+        movable = any(_under_checkpoint(r) for r in rs) and (
+            bool(r0.name) or policy_selectable(_selector_primitive(r0)))
+        allowed = frozenset({Action.DEVICE, Action.OFFLOAD, Action.REMAT}) if movable else frozenset({Action.DEVICE})
         name = r0.name
         selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
-        prod = _through_markers(r0.producer)
         candidates.append(Candidate(
             key=key, name=name, selector=selector, instances=tuple(instances), allowed=allowed,
             remat_s=remat_s, source=relative_source(r0.source_text), shape=_instance_shape(r0),
-            primitive={"dot": "dot_general", "convolution": "conv_general_dilated"}.get(
-                prod.opcode, _primitive(prod)),
+            primitive=_selector_primitive(r0),
             dot_has_batch_dims=prod.opcode == "dot" and bool(prod.attr_ints("lhs_batch_dims")),
         ))
     live = np.cumsum(contrib[:-1])
@@ -235,6 +237,26 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     return problem, smap
 
 
+def candidate_groups(residuals: Any) -> dict[str, list[Any]]:
+    """Candidate key -> its residuals: one candidate per policy rule.
+
+    A rule is a checkpoint_name, or (primitive, output shape) for an unnamed value under
+    ``jax.checkpoint``: the emitted policy (:mod:`hloopt.emit`) cannot tell two values of one
+    primitive and shape apart, so they share a decision. Values outside any checkpoint keep their
+    own key (no policy moves them).
+    """
+    groups: dict[str, list[Any]] = {}
+    rule_key: dict[tuple[str, str], str] = {}
+    live = [r for r in residuals if not r.offloaded and r.bytes > 0]
+    for r in sorted(live, key=lambda r: (-r.bytes, r.position)):
+        key = relative_key(r.key)
+        if not r.name and _under_checkpoint(r):
+            rule = (_selector_primitive(r), _instance_shape(r))
+            key = rule_key.setdefault(rule, f"prim:{rule[0]}:{rule[1]}@{relative_source(r.source_text)}")
+        groups.setdefault(key, []).append(r)
+    return groups
+
+
 def relative_source(text: str) -> str:
     """``/abs/cwd/model.py:3`` -> ``model.py:3``: plans and reports do not depend on the checkout."""
     import os
@@ -246,6 +268,45 @@ def relative_source(text: str) -> str:
 def relative_key(key: str) -> str:
     head, sep, loc = key.partition("@")
     return head + sep + relative_source(loc) if sep else key
+
+
+#: Names a JAX checkpoint policy is never called with: HLO opcodes of control flow and
+#: parameters, and call wrappers (``jit(silu)``), whose inner primitives the policy sees instead.
+_NOT_PRIMITIVES = frozenset({"parameter", "while", "call", "conditional", "tuple", "get_tuple_element",
+                             "custom_call", "fusion", "constant"})
+
+
+def policy_selectable(primitive: str) -> bool:
+    """Whether a checkpoint policy can select values by this primitive name (see hloopt.emit)."""
+    import re
+
+    return bool(re.fullmatch(r"[a-z_][a-z0-9_]*", primitive)) and primitive not in _NOT_PRIMITIVES
+
+
+def _policy_value(inst: Instruction) -> Instruction:
+    """The op whose JAX primitive a policy is asked about for ``inst``'s value: through the
+    ``reduce-precision`` markers saved values pass, layout-only copies, and into ``jit`` calls
+    (a policy sees the primitives inside a ``jit``, not the call)."""
+    for _ in range(16):
+        if inst.opcode == "reduce-precision" and inst.operands:
+            inst = inst.operands[0]
+        elif inst.opcode in ("copy", "bitcast") and inst.operands and _primitive(inst) == inst.opcode:
+            inst = inst.operands[0]
+        elif inst.opcode == "get-tuple-element" and inst.operands and inst.operands[0].opcode == "call":
+            callee = (inst.operands[0].called.get("to_apply") or inst.operands[0].called.get("calls") or [None])[0]
+            root = callee.root if callee is not None else None
+            if root is None or root.opcode != "tuple" or inst.tuple_index >= len(root.operands):
+                break
+            inst = root.operands[inst.tuple_index]
+        else:
+            break
+    return inst
+
+
+def _selector_primitive(r: Any) -> str:
+    """The JAX primitive a policy sees for the residual's value."""
+    prod = _policy_value(r.producer)
+    return {"dot": "dot_general", "convolution": "conv_general_dilated"}.get(prod.opcode, _primitive(prod))
 
 
 def _primitive(inst: Instruction) -> str:
@@ -345,6 +406,10 @@ def _reason(c: Candidate, action: Action, problem: Problem) -> str:
     if action == Action.REMAT:
         return f"recompute costs {format_seconds(c.remat_s)}, cheaper than moving it"
     if Action.OFFLOAD not in c.allowed:
+        if f"kept:{c.key}" in problem.notes:
+            return problem.notes[f"kept:{c.key}"]
+        if c.name is None and c.primitive and not policy_selectable(c.primitive):
+            return f"a policy cannot select {c.primitive} values by primitive"
         return "outside jax.checkpoint: no policy can move it"
     return "fits the budget on device"
 
@@ -356,6 +421,7 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
     from hloopt.plan import Bounds, Budget, Decision, ParetoPoint, Plan, Predicted, Selector, SolverInfo
     from hloopt.simulator import lower_bound_peak, lower_bound_time
 
+    groups = candidate_groups(an.residuals)
     decs = []
     for c in problem.candidates:
         a = decisions.action(c.key)
@@ -367,7 +433,7 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
         decs.append(Decision(
             key=c.key, name=c.name, selector=sel, action=a.value, bytes=c.bytes,
             layers=len(c.instances), shape=c.shape, reason=_reason(c, a, problem), source=c.source,
-            values=tuple(sorted({r.inst.name for r in an.residuals if relative_key(r.key) == c.key})),
+            values=tuple(sorted({r.inst.name for r in groups.get(c.key, ())})),
         ))
     return Plan(
         target=target_spec, module=an.module.name, device=profile.to_dict(),
@@ -400,7 +466,10 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     names: dict[str, str] = {}
     as_written = None
     if tgt.kind == "jax":
+        from hloopt.passes.inline import inline_calls
+
         module, source = lower_for_plan(tgt, profile, platform=platform, compile=compile, progress=progress)
+        module = inline_calls(module)
         with progress("naming residuals (re-lowering with one-name policies)"):
             names = _names_for(tgt, module, profile, platform=platform)
     else:
@@ -414,6 +483,10 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     if not problem.candidates:
         raise UserError(f"{tgt.name}: found no forward->backward residuals to offload "
                         "(is this a training step with a backward pass?)")
+    if tgt.kind == "jax":
+        with progress("checking what each primitive rule selects (re-lowering)"):
+            problem = probe_rules(tgt, problem, names.values(), platform=platform or (
+                "tpu" if profile.kind == "tpu" else "cuda"))
     baseline = simulate(problem, Decisions.all_device())
     budget_bytes = resolve_budget(budget, baseline.peak_bytes)
     if budget_bytes is None and max_slowdown is None and not pareto:
@@ -438,6 +511,59 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                          solver=solver_info, pareto=list(sr.pareto) if pareto else None)
     anchors = run_anchors(problem)
     return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written)
+
+
+def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Problem:
+    """Keep on device the unnamed candidates whose policy rule would move other values too.
+
+    A primitive rule (primitive, output shape) selects every value of that primitive and shape in
+    the checkpointed layers, which may be more than the residuals the candidate groups (a value
+    the backward pass reads twice, a primitive inside a ``jit``). The step is lowered once with
+    every such rule offloading (names saved); rules whose shape's ``pinned_host`` annotations
+    (times their loop trip counts, :func:`hloopt.verify.offload_annotations`) do not add up to
+    the candidates' instances are lowered again alone, and a rule that still annotates a
+    different number of values than it has instances may only stay on device.
+    """
+    from collections import Counter
+
+    from hloopt.emit import PlanPolicy
+    from hloopt.lowering import lower
+    from hloopt.verify import offload_annotations
+
+    rules = [c for c in problem.candidates if c.name is None and Action.OFFLOAD in c.allowed and c.primitive]
+    if not rules:
+        return problem
+    saved = frozenset(names)
+
+    def annotated(cands: Sequence[Candidate]) -> Counter[str]:
+        pol = PlanPolicy(saved_names=saved, offloaded_names=frozenset(),
+                         primitive_rules=tuple((c.primitive, c.shape, "offload") for c in cands))
+        found: Counter[str] = Counter()
+        for a in offload_annotations(lower(tgt, platform=platform, policy=pol).hlo_text):
+            found[a.shape] += a.count
+        return found
+
+    seen = annotated(rules)
+    expected: Counter[str] = Counter()
+    for c in rules:
+        expected[c.shape] += len(c.instances)
+    bad: dict[str, int] = {}
+    for c in rules:
+        if seen[c.shape] == expected[c.shape]:
+            continue
+        n = annotated([c])[c.shape] if expected[c.shape] != len(c.instances) else seen[c.shape]
+        if n != len(c.instances):
+            bad[c.key] = n
+    if not bad:
+        return problem
+    cands = tuple(dataclasses.replace(c, allowed=frozenset({Action.DEVICE})) if c.key in bad else c
+                  for c in problem.candidates)
+    notes = dict(problem.notes)
+    for c in rules:
+        if c.key in bad:
+            notes[f"kept:{c.key}"] = (f"a policy rule for {c.primitive} {c.shape} selects {bad[c.key]} value(s), "
+                                      f"not these {len(c.instances)}: saved")
+    return dataclasses.replace(problem, candidates=cands, notes=notes)
 
 
 def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None) -> dict[str, str]:

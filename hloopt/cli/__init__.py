@@ -46,6 +46,7 @@ class LazyGroup(click.Group):
              standalone_mode: bool = True, **extra: Any) -> Any:
         """Like click's, but every error a user can cause prints as ``hloopt: error: ...`` (one
         line, plus a caret snippet for HLO) with exit status 2, also under ``CliRunner``."""
+        prog_name = "hloopt"  # also under CliRunner, which would say "cli"
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:

@@ -23,6 +23,8 @@ def devices(name: str | None, as_json: bool, device: str | None, device_file: st
             hbm: int | None, d2h: float | None, h2d: float | None) -> None:
     """List device profiles, or show NAME (a built-in name, alias or profile file) with sources."""
     with user_errors():
+        if name is not None and (device or device_file):
+            raise click.UsageError("give the device as NAME or with --device/--device-file, not both")
         if name is None and (device or device_file):
             name = device_file or device
         if name is None:

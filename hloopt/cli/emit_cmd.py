@@ -46,7 +46,7 @@ def emit(plan_file: str, fmt: str, output: str | None, force: bool, hlo_file: st
             click.echo(f"wrote {output}", err=True)
 
 
-def _module_text(plan: object, hlo_file: str | None) -> str:
+def _module_text(plan: object, hlo_file: str | None) -> object:
     from hloopt.targets import resolve
 
     if hlo_file is not None:
@@ -54,8 +54,11 @@ def _module_text(plan: object, hlo_file: str | None) -> str:
     else:
         target = resolve(plan.target)  # type: ignore[attr-defined]
     if target.kind != "jax":
+        from hloopt.hlo.parser import parse_module
+
         assert target.text is not None
-        return target.text
+        # Parsed here so that a parse error names the file (annotate_hlo would say <module name>).
+        return parse_module(target.text, filename=str(target.path or target.name))
     from hloopt.lowering import lower
 
     return lower(target, platform="tpu").hlo_text

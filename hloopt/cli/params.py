@@ -98,6 +98,25 @@ def user_errors() -> Iterator[None]:
         raise CliUserError(str(err), detail=err.detail) from err
 
 
+def check_output(path: str | None, *, force: bool) -> None:
+    """Refuse, before any work, an output path that :func:`hloopt.fileio.write_text_atomic` would
+    refuse after it: a folder, a missing folder, or a file hloopt did not write (without ``force``)."""
+    import os
+    from pathlib import Path
+
+    from hloopt.fileio import is_ours
+
+    if not path:
+        return
+    dest = Path(os.path.realpath(path))
+    if dest.is_dir():
+        raise UserError(f"{path}: is a folder; give a file name")
+    if not dest.parent.is_dir():
+        raise UserError(f"{path}: no such folder {os.fspath(dest.parent)!r}")
+    if dest.exists() and not force and not is_ours(dest):
+        raise UserError(f"{path} exists: pass --force to overwrite")
+
+
 def device_options(f: F) -> F:
     """Add ``--device``, ``--device-file``, ``--hbm``, ``--d2h`` and ``--h2d`` to a command."""
     options = [

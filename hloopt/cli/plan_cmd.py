@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from hloopt.cli.params import Percent, device_options, profile_from_options, user_errors
+from hloopt.cli.params import Percent, check_output, device_options, profile_from_options, user_errors
 
 
 @click.command()
@@ -19,7 +19,8 @@ from hloopt.cli.params import Percent, device_options, profile_from_options, use
               help="Least peak with the step at most this much slower (3%).")
 @click.option("--pareto", is_flag=True, help="The frontier of peak vs step time.")
 @click.option("--solver", type=click.Choice(["auto", "milp", "heuristic"]), default="auto", show_default=True)
-@click.option("--time-limit", "time_limit_s", type=float, default=30.0, show_default=True,
+@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True,
               help="Seconds the MILP solver may take.")
 @click.option("--platform", type=click.Choice(["tpu", "cuda", "cpu"]), default=None,
               help="Platform to lower for (default: the device's).")
@@ -48,6 +49,8 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
             parse_budget(budget)  # a malformed budget is one line before any work
         budget_spec = budget
         profile = profile_from_options(**device_kw)  # type: ignore[arg-type]
+        check_output(out_path, force=force)  # refuse before minutes of work, and before writing either
+        check_output(html_path, force=force)
         console = make_console(quiet=quiet or as_json)
 
         def prog(label: str):  # type: ignore[no-untyped-def]

@@ -1,0 +1,154 @@
+"""Call inlining (XLA's ``CallInliner``): a transform, not an analysis.
+
+JAX wraps pieces of a step in ``call`` instructions (``closed_call``, ``take_along_axis``,
+``jit(relu)``...). XLA inlines every such call before it fuses and assigns buffers, so a value a
+callee returns through its root tuple is not a buffer of its own in the compiled program. Memory
+analyses of pre-optimization HLO therefore run on the inlined module.
+
+``inline_calls(module)`` returns a NEW module (the input is not changed) in which every ``call``
+of every computation is replaced by a copy of its callee's instructions: the callee's parameters
+become the call's operands, and the call's users read the copy of the callee's root. Copies are
+named ``<call name>.<callee instruction name>`` (unique: a computation's names are unique and so
+are call names). Calls inside the inlined code are inlined too (the callee is rebuilt first).
+Other called computations (fusions, loop bodies, reducers) are kept and rebuilt the same way.
+
+Invariants: no ``call`` remains in a computation reachable from the entry; every other
+instruction keeps its name, opcode, shape, attributes and metadata; the entry's parameters and
+the shape of its root are unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hloopt.ir import Computation, Instruction, Module
+
+
+def _copy(inst: Instruction, name: str) -> Instruction:
+    new = Instruction(name, inst.opcode, inst.shape)
+    new.attrs = dict(inst.attrs)
+    new.literal = inst.literal
+    new._metadata_text = inst._metadata_text
+    new._metadata = inst._metadata
+    new.span = inst.span
+    return new
+
+
+class _Inliner:
+    def __init__(self, module: Module) -> None:
+        self.old = module
+        self.new = Module(
+            name=module.name, is_scheduled=module.is_scheduled,
+            input_output_alias=list(module.input_output_alias), entry_layout=module.entry_layout,
+            frontend_attributes=dict(module.frontend_attributes), header_attrs=dict(module.header_attrs),
+            file_names=dict(module.file_names), function_names=dict(module.function_names),
+            file_locations=dict(module.file_locations), stack_frames=dict(module.stack_frames),
+            filename=module.filename,
+        )
+        #: instructions whose called computations still name the OLD computations
+        self.pending_calls: list[tuple[Instruction, Instruction]] = []
+
+    def _emit(self, comp: Computation, inst: Instruction, env: dict[Instruction, Instruction],
+              prefix: str) -> None:
+        """Append a copy of ``inst`` (or, for a call, its callee's body) to ``comp``."""
+        if inst.opcode == "call" and (inst.called.get("to_apply") or inst.called.get("calls")):
+            callee = (inst.called.get("to_apply") or inst.called.get("calls"))[0]
+            inner: dict[Instruction, Instruction] = {}
+            params = {p.parameter_number: p for p in callee.instructions if p.opcode == "parameter"}
+            for num, p in params.items():
+                inner[p] = env[inst.operands[num]]
+            for ci in callee.instructions:
+                if ci.opcode == "parameter":
+                    continue
+                self._emit(comp, ci, inner, f"{prefix}{inst.name}.")
+            env[inst] = inner[callee.root]  # type: ignore[index]
+            return
+        new = _copy(inst, prefix + inst.name)
+        new.operands = [env[o] for o in inst.operands]
+        new.control_predecessors = [env[p] for p in inst.control_predecessors if p in env]
+        comp.instructions.append(new)
+        env[inst] = new
+        if inst.called:
+            self.pending_calls.append((new, inst))
+
+    def computation(self, comp: Computation) -> Computation:
+        out = Computation(comp.name)
+        out.is_entry = comp.is_entry
+        out.execution_thread = comp.execution_thread
+        out.signature = comp.signature
+        out.span = comp.span
+        out.module = self.new
+        env: dict[Instruction, Instruction] = {}
+        for inst in comp.instructions:
+            self._emit(out, inst, env, "")
+        out.root = env[comp.root]  # type: ignore[index]
+        return out
+
+    def run(self) -> Module:
+        reachable = _reachable(self.old)
+        for comp in self.old.computations.values():
+            if comp.name not in reachable:
+                continue
+            if comp is not self.old.entry and all(c.opcode == "call" for c in comp.callers) and comp.callers:
+                continue  # only ever inlined
+            self.new.computations[comp.name] = self.computation(comp)
+        self.new.entry = self.new.computations[self.old.entry.name]  # type: ignore[union-attr]
+        for new, old in self.pending_calls:
+            for role, comps in old.called.items():
+                new.called[role] = [self.new.computations[c.name] for c in comps]
+                for c in new.called[role]:
+                    c.callers.append(new)
+        for comp in self.new.computations.values():
+            _finish(comp)
+        return self.new
+
+
+def _reachable(module: Module) -> set[str]:
+    seen: set[str] = set()
+    stack = [module.entry] if module.entry is not None else []
+    while stack:
+        c = stack.pop()
+        if c.name in seen:
+            continue
+        seen.add(c.name)
+        for i in c.instructions:
+            stack.extend(i.called_computations)
+    return seen
+
+
+def _finish(comp: Computation) -> None:
+    """Recompute indices, names, users, parameters and the root flag."""
+    comp.by_name = {}
+    params = {}
+    for k, inst in enumerate(comp.instructions):
+        inst.index = k
+        inst.parent = comp
+        inst.is_root = False
+        inst.users = []
+        comp.by_name[inst.name] = inst
+        if inst.opcode == "parameter":
+            params[inst.parameter_number] = inst
+    for inst in comp.instructions:
+        for o in inst.operands:
+            o.users.append(inst)
+    if comp.root is not None:
+        comp.root.is_root = True
+    comp.parameters = [params[i] for i in sorted(params)]
+
+
+def inline_calls(module: Module) -> Module:
+    """A copy of ``module`` with every ``call`` inlined (see the module docstring)."""
+    if not any(i.opcode == "call" for i in module.instructions()):
+        return module
+    return _Inliner(module).run()
+
+
+@dataclass(frozen=True)
+class InlineCalls:
+    """Transform: inline every ``call`` (returns a new module)."""
+
+    name: ClassVar[str] = "inline-calls"
+
+    def run(self, module: Module) -> Module:
+        return inline_calls(module)
