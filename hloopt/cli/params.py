@@ -149,6 +149,9 @@ def profile_from_options(
 
     Raises UserError when both or (without ``default``) neither of the two are given.
     """
+    for flag, value in (("--device", device), ("--device-file", device_file), ("NAME", default)):
+        if value is not None and not str(value).strip():
+            raise UserError(f"{flag} is empty: give a device name (see `hloopt devices`) or a profile file")
     if device and device_file:
         raise UserError("give either --device or --device-file, not both")
     source = device_file or device or default
