@@ -19,14 +19,16 @@ def render(fn, *, width: int = 100) -> str:
 
 def test_report_text_exact() -> None:
     # hand-checked: peak 1+2+1 MiB at step 2 (dot.3); shares 25/50/25 %; bars of 20 cells -> 5/10/5;
-    # baseline 1,2,4,1 MiB on a 4 MiB scale -> eighths 2,4,8,2; plan 1,1,3,1 -> 2,2,6,2.
+    # baseline 1,2,4,1 MiB on a 4 MiB scale -> eighths 2,4,8,2; plan 1,1,3,1 -> 2,2,6,2;
+    # step time 4.1 / 4.0 ms = +2.5%; one transfer each way.
     expected = """\
 module                 jit_step
 device                 tpu-v5e (16.0 GiB HBM)
 peak (all on device)   4.00 MiB at step 2 (dot.3)
 budget                 3.00 MiB
 peak with plan         3.00 MiB (-1.00 MiB)
-step time              4.00 ms -> 4.10 ms with plan
+step time              4.00 ms -> 4.10 ms with plan (+2.5%)
+host transfers         1 to host, 1 back
 baseline ▂▄█▂
 plan     ▂▂▆▂
 

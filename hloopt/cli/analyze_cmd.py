@@ -45,7 +45,7 @@ def analyze(target: str, platform: str | None, compile_: str | None, size: str |
             from hloopt.report.adapt import report_data_from_memory
             from hloopt.report.html import render_html
 
-            data = report_data_from_memory(report, load_profile(device or "tpu-v5e").to_dict())
+            data = report_data_from_memory(report, load_profile(device or "tpu-v5e").to_dict(), target=target)
             write_text_atomic(html_path, render_html(data), force=force)
             report.profile.top = report.profile.top[:top]
     if as_json:

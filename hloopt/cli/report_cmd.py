@@ -50,7 +50,7 @@ def report_data(source: str, *, profile: Any, device_given: bool, budget: Any, p
     with progress(f"analyzing {source}"):
         mem = analyze(source, platform=platform, compile=compile, size=size, top=50)
         budget_bytes = budget.resolve(profile.hbm_bytes) if budget is not None else None
-        return report_data_from_memory(mem, profile.to_dict(), budget_bytes=budget_bytes)
+        return report_data_from_memory(mem, profile.to_dict(), budget_bytes=budget_bytes, target=source)
 
 
 @click.command("report")

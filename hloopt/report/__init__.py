@@ -110,6 +110,8 @@ class ReportData:
     num_partitions: int = 1
     #: Device mesh shape, e.g. ``(2, 4)``; () when unknown or unsharded.
     mesh: Sequence[int] = ()
+    #: What was analyzed, as the user named it (``fixtures/zoo/llama.py:small``, a file); "" unknown.
+    target: str = ""
 
     # -- derived -----------------------------------------------------------------------------
     @property

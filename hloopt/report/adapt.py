@@ -222,7 +222,7 @@ def _mesh(module: Any) -> tuple[int, ...]:
 
 
 def report_data_from_memory(report: Any, device: Mapping[str, Any], *, budget_bytes: int | None = None,
-                            top: int = 50) -> ReportData:
+                            top: int = 50, target: str = "") -> ReportData:
     """ReportData for a :class:`~hloopt.analysis.MemoryReport` (``analyze --html``, ``report TARGET``)."""
     prof = report.profile
     lr = prof.ranges
@@ -256,7 +256,7 @@ def report_data_from_memory(report: Any, device: Mapping[str, Any], *, budget_by
         live_at_peak=tuple(LiveBuffer(name=b.name, shape=_logical(b.shape), bytes=b.bytes, category=b.category,
                                       op_name=b.op_name, source=relative_source(b.source) if b.source else "")
                            for b in prof.top[:top]),
-        assumptions=assumptions, num_partitions=module.num_partitions, mesh=_mesh(module),
+        assumptions=assumptions, num_partitions=module.num_partitions, mesh=_mesh(module), target=target,
     ).validate()
 
 
@@ -289,7 +289,6 @@ def _split_base(base: np.ndarray, entry_split: Mapping[str, np.ndarray], entry_o
 def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
     """ReportData for ``hloopt plan --html`` / ``hloopt report plan.json`` (see the module docstring)."""
     from hloopt.passes.memory import categorize
-    from hloopt.pipeline import relative_key
 
     problem = outcome.problem
     an = outcome.analyzed
@@ -301,15 +300,18 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
     plan = outcome.plan
     res = outcome.result
     cats = categorize(lr)
-    action_of_key = {d.key: d.action for d in plan.decisions}
+    # the plan names the residual values (entry instructions) behind each decision
+    decided = {v: (d.action, d.key) for d in plan.decisions for v in d.values}
     actions: dict[int, tuple[str, str]] = {}  # buffer id -> (action, candidate key)
     for r in an.residuals:
+        if r.inst.name not in decided:
+            continue
         try:
             b = lr.aliasing.buffer_at(r.inst, ())
         except (KeyError, IndexError):
             continue
-        key = relative_key(r.key)
-        actions[b.id] = (action_of_key.get(key, "device"), key)
+        if b.id not in actions or actions[b.id][0] == "device":  # a moved value names a shared buffer
+            actions[b.id] = decided[r.inst.name]
     # residual buffers are drawn from the simulator; the memory model splits the rest
     flat = flat_category_bytes(lr, {k: ("" if k in actions else v) for k, v in cats.items()})
     entry_split, rep = _fold_to_entry(lr, flat)
@@ -368,6 +370,7 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
         plan_step_time_s=float(res.step_time_s),
         num_partitions=module.num_partitions,
         mesh=_mesh(module),
+        target=plan.target,
     ).validate()
 
 

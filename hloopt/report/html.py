@@ -145,6 +145,8 @@ def _memory_svg(data: ReportData, ds: Mapping[str, Any], colors: Mapping[str, st
         x = X(t + 0.5)
         parts.append(f'<text class="tick" x="{_f(x)}" y="{_H - _MB + 16}" text-anchor="middle">{int(t)}</text>')
     parts.append(f'<text class="tick" x="{_W - _MR}" y="{_H - 4}" text-anchor="end">schedule step</text>')
+    parts.append(f'<text class="tick" x="12" y="{_f(_MT + _PH / 2)}" text-anchor="middle" '
+                 f'transform="rotate(-90 12 {_f(_MT + _PH / 2)})">device memory</text>')
     # stacked areas (step shape: each bucket is flat over its steps)
     xs = [X(e) for e in edges]
     cum = np.zeros(mat.shape[1] if mat.ndim == 2 else 0, dtype=np.int64)
@@ -224,7 +226,7 @@ def _transfer_svg(data: ReportData) -> str:
     if end <= 0:
         return ""
     lanes = [("compute", 0), ("D2H", 1), ("H2D", 2)]
-    H = 150
+    H = 160
     lane_h, top = 30, 14
 
     def X(t: float) -> float:
@@ -248,9 +250,12 @@ def _transfer_svg(data: ReportData) -> str:
                 j += 1
             cls = "bwd-c" if bw[i] else "fwd-c"
             a, b = X(bounds[i]), X(bounds[j + 1])
+            what = "backward" if bw[i] else "forward"
             parts.append(f'<rect class="{cls}" x="{_f(a)}" y="{top}" width="{_f(max(b - a, 0.5))}" height="{lane_h}">'
-                         f'<title>{"backward" if bw[i] else "forward"}: steps {i}-{j}, '
+                         f'<title>{what}: steps {i}-{j}, '
                          f'{_esc(format_seconds(bounds[j + 1] - bounds[i]))}</title></rect>')
+            if b - a > 70:
+                parts.append(f'<text class="lane-t" x="{_f(a + 6)}" y="{top + lane_h / 2 + 4:.0f}">{what}</text>')
             i = j + 1
     for lane, direction in ((1, "d2h"), (2, "h2d")):
         y = top + lane * (lane_h + 6)
@@ -261,7 +266,8 @@ def _transfer_svg(data: ReportData) -> str:
                          f'height="{lane_h - 6}"><title>{direction.upper()} {what}: {_esc(format_seconds(a))} - '
                          f'{_esc(format_seconds(b))}</title></rect>')
     for t in _nice_ticks(end, 8):
-        parts.append(f'<text class="tick" x="{_f(X(t))}" y="{H - 8}" text-anchor="middle">{_esc(format_seconds(t)) if t else "0"}</text>')
+        parts.append(f'<text class="tick" x="{_f(X(t))}" y="{H - 14}" text-anchor="middle">{_esc(format_seconds(t)) if t else "0"}</text>')
+    parts.append(f'<text class="tick" x="{_W - _MR}" y="{H - 1}" text-anchor="end">time in the step</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -327,6 +333,15 @@ def _summary_cards(data: ReportData) -> str:
                    f'<div class="s">{_esc(s)}</div></div>' for k, v, s in cards)
 
 
+def _subtitle(data: ReportData) -> str:
+    parts = [f"HLO module {data.module_name}"] if data.target else []
+    parts.append(f"on {data.device.get('name', '?')}")
+    if data.plan_timeline is not None:
+        parts.append("all residuals on device vs the plan"
+                     + (f" for a budget of {format_bytes(data.budget_bytes)}" if data.budget_bytes is not None else ""))
+    return ", ".join(parts)
+
+
 def render_html(data: ReportData) -> str:
     """The report page for ``data`` (deterministic: the same data gives the same bytes)."""
     data.validate()
@@ -345,8 +360,14 @@ def render_html(data: ReportData) -> str:
     transfer = _transfer_svg(data) if (data.transfers or data.step_start_s) else ""
     transfer_sec = ""
     if transfer:
-        transfer_sec = ('<section><h2>Transfer schedule</h2><p class="note">Compute (forward, backward) and '
-                        'the DMA lanes of the plan over one step; hover a bar for its residual.</p>'
+        n_out = sum(1 for t in data.transfers if t.direction == "d2h")
+        transfer_sec = ('<section><h2>Transfer schedule</h2><div class="legend">'
+                        '<span class="sw" style="background:#94a3b8"></span>forward compute'
+                        '<span class="sw" style="background:#475569"></span>backward compute'
+                        '<span class="sw" style="background:var(--d2h)"></span>D2H: offload to host'
+                        '<span class="sw" style="background:var(--h2d)"></span>H2D: reload before use</div>'
+                        f'<p class="note">The plan\'s replay over one step: {n_out} offloads and '
+                        f'{len(data.transfers) - n_out} reloads beside the compute; hover a bar for its residual.</p>'
                         f'{transfer}</section>')
     with_plan = any(b.action for b in data.live_at_peak)
     live_rows = [[(b.name, b.name), (b.shape, b.shape), (format_bytes(b.bytes), b.bytes), (b.category, b.category)]
@@ -372,9 +393,9 @@ def render_html(data: ReportData) -> str:
     nb = len(ds["edges"]) - 1
     sampled = f" Drawn as {nb} buckets of consecutive steps, each showing its highest step." if nb < n else ""
     subs = {
-        "TITLE": _esc(f"hloopt report: {data.module_name}"),
-        "MODULE": _esc(data.module_name),
-        "DEVICE": _esc(data.device.get("name", "")),
+        "TITLE": _esc(f"hloopt report: {data.target or data.module_name}"),
+        "MODULE": _esc(data.target or data.module_name),
+        "DEVICE": _esc(_subtitle(data)),
         "SHARDING": sharding,
         "CARDS": _summary_cards(data),
         "LEGEND": legend,

@@ -116,6 +116,8 @@ def summary_table(data: ReportData) -> Table:
     t.add_column("", style="bold", no_wrap=True)
     t.add_column("", no_wrap=True)
     hbm = data.device.get("hbm_bytes")
+    if data.target:
+        t.add_row("target", data.target)
     t.add_row("module", data.module_name)
     t.add_row("device", str(data.device.get("name", "?")) + (f" ({format_bytes(hbm)} HBM)" if hbm else ""))
     if data.num_partitions > 1:
@@ -129,9 +131,15 @@ def summary_table(data: ReportData) -> Table:
         delta = data.plan_peak_bytes - data.baseline_peak_bytes
         t.add_row("peak with plan", f"{format_bytes(data.plan_peak_bytes)} ({_signed_bytes(delta)})")
     if data.baseline_step_time_s is not None:
-        t.add_row("step time", format_seconds(data.baseline_step_time_s)
-                  + (f" -> {format_seconds(data.plan_step_time_s)} with plan"
-                     if data.plan_step_time_s is not None else ""))
+        after = ""
+        if data.plan_step_time_s is not None:
+            after = f" -> {format_seconds(data.plan_step_time_s)} with plan"
+            if data.baseline_step_time_s > 0:
+                after += f" ({(data.plan_step_time_s / data.baseline_step_time_s - 1) * 100:+.1f}%)"
+        t.add_row("step time", format_seconds(data.baseline_step_time_s) + after)
+    if data.transfers:
+        d2h = sum(1 for x in data.transfers if x.direction == "d2h")
+        t.add_row("host transfers", f"{d2h} to host, {len(data.transfers) - d2h} back")
     return t
 
 
@@ -145,6 +153,8 @@ def category_table(data: ReportData, *, width: int = 20) -> Table:
     peak = data.baseline_peak_bytes
     for cat, values in data.baseline_by_category.items():
         v = int(values[data.baseline_peak_step]) if data.num_steps else 0
+        if not v:
+            continue
         t.add_row(cat, format_bytes(v), f"{100 * v / peak:.1f}%" if peak else "-", bar(v, peak, width=width))
     return t
 
@@ -159,7 +169,8 @@ def live_buffers_table(rows: Sequence[LiveBuffer], *, limit: int | None = 20, ti
     t.add_column("source", overflow="fold")
     shown = list(rows) if limit is None else list(rows)[:limit]
     for b in shown:
-        t.add_row(b.name, b.shape, format_bytes(b.bytes), b.category, b.source or "-")
+        cat = f"{b.category} ({b.action})" if b.action and b.action != "device" else b.category
+        t.add_row(b.name, b.shape, format_bytes(b.bytes), cat, b.source or "-")
     if limit is not None and len(rows) > limit:
         rest = sum(b.bytes for b in list(rows)[limit:])
         t.add_row(f"... {len(rows) - limit} more", "", format_bytes(rest), "", "")
@@ -178,12 +189,17 @@ def residuals_table(rows: Sequence[ResidualRow], *, decisions: bool = True, titl
         t.add_column("reason", overflow="fold")
     t.add_column("source", overflow="fold")
     for r in rows:
-        cells: list[Any] = [r.name or r.key, r.shape, str(r.layers), format_bytes(r.bytes)]
+        cells: list[Any] = [residual_label(r), r.shape, str(r.layers), format_bytes(r.bytes)]
         if decisions:
             cells += [Text(r.action, style=_ACTION_STYLE.get(r.action, "")), r.reason or "-"]
         cells.append(r.source or "-")
         t.add_row(*cells)
     return t
+
+
+def residual_label(r: ResidualRow) -> str:
+    """Its ``checkpoint_name``, else the key without the source (the source has its own column)."""
+    return r.name or r.key.split("@", 1)[0]
 
 
 def device_table(device: Mapping[str, Any]) -> Table:
