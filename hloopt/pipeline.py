@@ -15,6 +15,15 @@
    :class:`~hloopt.problem.Candidate` with one instance per layer. ``base_bytes`` is the
    analyzed timeline minus the candidates' own bytes, so replaying "all on device" reproduces the
    analyzed peak.
+
+   *Stacked residuals* (a scan's ``[L, ...]`` buffers) are one instance per layer: layer ``i`` is
+   produced in forward iteration ``i`` and read in backward iteration ``L-1-i``. Offloaded or
+   recomputed, that is what XLA does (the stack lives in host memory, one slice per iteration
+   moves). Kept on device, XLA allocates the whole stack before the forward loop and frees it when
+   the backward loop ends, while the per-layer view holds layer ``i`` only from its forward to its
+   backward iteration: the base leaves the whole stack out, so inside the loops, with everything
+   on device, the replay can be below the analyzed timeline (never above it). The peak of a
+   training step is at the start of the backward pass, where every layer is live and both agree.
 4. **Search** for the decisions (:mod:`hloopt.search`), judge them and every built-in policy with
    the one simulator (:mod:`hloopt.simulator`), and write a :class:`~hloopt.plan.Plan`.
 """
@@ -148,6 +157,24 @@ def _through_markers(inst: Instruction) -> Instruction:
     return inst
 
 
+def _recomputed_op(inst: Instruction) -> Instruction:
+    """The op a rematerialization re-runs: through markers and views, and through the tuples that
+    ``jax.checkpoint`` calls and scan bodies pass a value along in (``get-tuple-element`` of a
+    ``tuple`` or of an optimization barrier over one). A scanned residual's producer is such a
+    ``get-tuple-element`` (0 s); an unrolled one's is checkpoint_name's ``reduce-precision``."""
+    for _ in range(64):
+        inst = _through_markers(inst)
+        if inst.opcode != "get-tuple-element" or not inst.operands:
+            return inst
+        src = inst.operands[0]
+        if src.opcode in _BARRIERS and src.operands and src.operands[0].opcode == "tuple":
+            src = src.operands[0]
+        if src.opcode != "tuple" or not 0 <= inst.tuple_index < len(src.operands):
+            return inst
+        inst = src.operands[inst.tuple_index]
+    return inst
+
+
 def build_problem(an: Analyzed, profile: DeviceProfile, *,
                   prefetch_window_steps: int | None = None) -> tuple[Problem, StepMap]:
     """Turn an analyzed module into the simulator's and solvers' :class:`Problem`."""
@@ -190,25 +217,32 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
             if r.forward_loop is not None and r.layers > 1:
                 fl = r.forward_loop.index
                 bl = r.backward_loop.index if r.backward_loop is not None else None
+                stack_start = _stack_start(an, r, smap, default=smap.at(fl))
                 for _layer, fi, bi in r.iteration_map():
                     produced = smap.at(fl, fi)
                     if bl is not None:
                         fbu = smap.at(bl, bi)
                         last_use = fbu
+                        stack_end = smap.last(bl)
                     else:
                         fbu = smap.at(r.first_backward_use)
                         last_use = smap.last(r.last_use)
-                    instances.append(Instance(per, produced, produced, max(fbu, produced), max(last_use, fbu, produced)))
+                        stack_end = last_use
+                    ins = Instance(per, produced, produced, max(fbu, produced), max(last_use, fbu, produced))
+                    instances.append(ins)
+                    # The base leaves out the whole stack while XLA holds it (see the docstring).
+                    contrib[min(stack_start, ins.produced)] += ins.bytes
+                    contrib[max(stack_end, ins.last_use) + 1] -= ins.bytes
             else:
                 produced = smap.at(r.position)
                 lfu = smap.last(r.forward_last_use) if r.forward_last_use > r.position else produced
                 fbu = smap.at(r.first_backward_use)
                 last_use = max(smap.last(r.last_use), fbu)
-                instances.append(Instance(r.bytes, produced, max(lfu, produced), max(fbu, produced), max(last_use, produced)))
-            remat_s += an.cost.seconds(r.producer) * max(r.layers, 1)
-        for ins in instances:
-            contrib[ins.produced] += ins.bytes
-            contrib[ins.last_use + 1] -= ins.bytes
+                ins = Instance(r.bytes, produced, max(lfu, produced), max(fbu, produced), max(last_use, produced))
+                instances.append(ins)
+                contrib[ins.produced] += ins.bytes
+                contrib[ins.last_use + 1] -= ins.bytes
+            remat_s += an.cost.seconds(_recomputed_op(r.producer)) * max(r.layers, 1)
         r0 = rs[0]
         prod = _through_markers(r0.producer)
         movable = any(_under_checkpoint(r) for r in rs) and (
@@ -313,6 +347,19 @@ def _primitive(inst: Instruction) -> str:
     from hloopt.passes.residuals import primitive_of
 
     return primitive_of(inst)
+
+
+def _stack_start(an: Analyzed, r: Any, smap: StepMap, *, default: int) -> int:
+    """First step at which a stacked residual's ``[L, ...]`` buffer is allocated (its zero
+    initial value before the forward loop, which the loop updates in place)."""
+    try:
+        b = an.ranges.aliasing.buffer_at(r.inst, ())
+    except (KeyError, IndexError):
+        return default
+    t = an.ranges.start[b.id]
+    if t < 0:
+        return default
+    return min(default, smap.first[an.ranges.entry_step[t]])
 
 
 def _instance_shape(r: Any) -> str:
