@@ -11,9 +11,11 @@ a frozen dataclass tree with one JSON form:
      "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null}
 
 Algorithm: :meth:`Plan.to_json` writes keys sorted, floats rounded to :data:`FLOAT_DIGITS`
-significant digits, decisions in the order given and no timestamps, so one plan always gives the
-same bytes (plans diff cleanly and are reproducible). :meth:`Plan.load` checks every field's type
-and says which field of which file is wrong, in one line (a :class:`UserError`).
+significant digits, decisions in the order given and no timestamps or timings (the solver's
+wall-clock time, :attr:`SolverInfo.time_s`, is printed by ``hloopt plan`` but never written), so
+the same input always gives the same bytes (plans diff cleanly and are reproducible).
+:meth:`Plan.load` checks every field's type and says which field of which file is wrong, in one
+line (a :class:`UserError`); a ``solver.time_s`` in older files is ignored.
 
 Invariants: decision keys are unique; a checkpoint name has one action (JAX's
 ``save_and_offload_only_these_names`` rejects a name both saved and offloaded); a file written by
@@ -160,7 +162,9 @@ class SolverInfo:
     status: str
     #: relative optimality gap (0 when proven optimal), None when unknown
     gap: float | None
-    time_s: float
+    #: wall-clock seconds the search took in this run; not written to the file (it differs from
+    #: run to run), so None for a loaded plan, and not part of equality
+    time_s: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -227,7 +231,7 @@ class Plan:
             "decisions": [d.to_dict() for d in self.decisions],
             "predicted": dataclasses.asdict(self.predicted),
             "bounds": dataclasses.asdict(self.bounds),
-            "solver": dataclasses.asdict(self.solver),
+            "solver": {"name": self.solver.name, "status": self.solver.status, "gap": self.solver.gap},
             "pareto": None if self.pareto is None else [
                 {"peak_bytes": p.peak_bytes, "step_time_s": p.step_time_s, "actions": dict(p.actions)}
                 for p in self.pareto],
@@ -449,8 +453,7 @@ def _parse_plan(data: Any, origin: str) -> Plan:
     b = r.obj_("bounds")
     bounds = Bounds(least_peak_bytes=b.int("least_peak_bytes"), least_step_time_s=b.num("least_step_time_s"))
     s = r.obj_("solver")
-    solver = SolverInfo(name=s.str("name"), status=s.str("status"), gap=s.num("gap", nullable=True),
-                        time_s=s.num("time_s"))
+    solver = SolverInfo(name=s.str("name"), status=s.str("status"), gap=s.num("gap", nullable=True))
     pareto_raw = r.list("pareto", nullable=True, optional=True)
     pareto = None
     if pareto_raw is not None:

@@ -125,7 +125,8 @@ def _print_outcome(outcome: object, console: object) -> None:
     line = (f"budget {format_bytes(budget)}; " if budget is not None else "") + \
         f"least peak any policy reaches {format_bytes(b.least_peak_bytes)}; " \
         f"solver {p.solver.name} ({p.solver.status}" + \
-        (f", gap {p.solver.gap:.2%}" if p.solver.gap is not None else "") + f", {p.solver.time_s:.2f} s)"
+        (f", gap {p.solver.gap:.2%}" if p.solver.gap is not None else "") + \
+        (f", {p.solver.time_s:.2f} s)" if p.solver.time_s is not None else ")")
     console.print(line)  # type: ignore[attr-defined]
 
 
