@@ -46,6 +46,7 @@ def least_time_s(problem: Problem, *, budget_bytes: int | None = None, model=Non
     import highspy
     import numpy as np
 
+    from hloopt.solvers import new_highs
     from hloopt.solvers._model import OFF, REM, Model
 
     m = model if model is not None else Model.build(problem)
@@ -99,7 +100,7 @@ def least_time_s(problem: Problem, *, budget_bytes: int | None = None, model=Non
     lp.a_matrix_.index_ = row
     lp.a_matrix_.value_ = val
     lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = nx, nrow
-    h = highspy.Highs()
+    h = new_highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("threads", 1)
     h.setOptionValue("time_limit", 10.0)

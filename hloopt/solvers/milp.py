@@ -38,6 +38,7 @@ import numpy as np
 
 from hloopt.problem import Decisions, Problem, SimResult
 from hloopt.simulator import simulate
+from hloopt.solvers import new_highs
 from hloopt.solvers._model import DEV, OFF, REM, Model
 
 __all__ = ["MilpResult", "solve_milp"]
@@ -274,7 +275,7 @@ def solve_milp(
             break
         steps = _binding_steps(m, target, extra)
         lp, cols_c, cols_a, nx, nrow, (q0, w0, use_link) = _build(m, target, steps, added)
-        h = highspy.Highs()
+        h = new_highs()
         h.setOptionValue("output_flag", False)
         h.setOptionValue("time_limit", float(left))
         h.setOptionValue("mip_rel_gap", mip_rel_gap)
