@@ -326,6 +326,9 @@ def _policy_value(inst: Instruction) -> Instruction:
             inst = inst.operands[0]
         elif inst.opcode in ("copy", "bitcast") and inst.operands and _primitive(inst) == inst.opcode:
             inst = inst.operands[0]
+        elif inst.opcode == "get-tuple-element" and inst.operands and inst.operands[0].opcode == "tuple" \
+                and inst.tuple_index < len(inst.operands[0].operands):
+            inst = inst.operands[0].operands[inst.tuple_index]  # a call's root, after inlining
         elif inst.opcode == "get-tuple-element" and inst.operands and inst.operands[0].opcode == "call":
             callee = (inst.operands[0].called.get("to_apply") or inst.operands[0].called.get("calls") or [None])[0]
             root = callee.root if callee is not None else None
