@@ -248,6 +248,10 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         movable = any(_under_checkpoint(r) for r in rs) and (
             bool(r0.name) or policy_selectable(_selector_primitive(r0)))
         allowed = frozenset({Action.DEVICE, Action.OFFLOAD, Action.REMAT}) if movable else frozenset({Action.DEVICE})
+        if movable and all(_is_input(_recomputed_op(r.producer)) for r in rs):
+            # Read straight from the loop state or an argument (a scan's carry): nothing in the
+            # checkpointed body computes it, so not saving it cannot mean recomputing it.
+            allowed = allowed - {Action.REMAT}
         name = r0.name
         selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
         candidates.append(Candidate(
@@ -350,6 +354,12 @@ def _primitive(inst: Instruction) -> str:
     from hloopt.passes.residuals import primitive_of
 
     return primitive_of(inst)
+
+
+def _is_input(inst: Instruction) -> bool:
+    while inst.opcode == "get-tuple-element" and inst.operands:
+        inst = inst.operands[0]
+    return inst.opcode == "parameter"
 
 
 def _stack_start(an: Analyzed, r: Any, smap: StepMap, *, default: int) -> int:
