@@ -33,7 +33,7 @@ with the plan's device, simulates the plan's decisions, and checks the candidate
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -71,8 +71,9 @@ def _ordered(cats: Mapping[str, Any]) -> list[str]:
 
 
 def flat_category_bytes(lr: Any, category_of: Mapping[int, str], *, start: Sequence[int] | None = None,
-                        end: Sequence[int] | None = None, memory_space: int = 0) -> dict[str, np.ndarray]:
-    """Bytes live at each flat step of ``lr`` (LiveRanges) in ``memory_space``, by category.
+                        end: Sequence[int] | None = None, memory_spaces: Collection[int] = (0,)
+                        ) -> dict[str, np.ndarray]:
+    """Bytes live at each flat step of ``lr`` (LiveRanges) in ``memory_spaces``, by category.
 
     ``start``/``end`` override the live ranges (a start of -1 drops the buffer), as
     :class:`PeakMemory` does for outputs and static allocations.
@@ -84,7 +85,7 @@ def flat_category_bytes(lr: Any, category_of: Mapping[int, str], *, start: Seque
     for b in lr.buffers:
         s = start[b.id]
         size = lr.size_bytes[b.id]
-        if s < 0 or not size or b.memory_space != memory_space:
+        if s < 0 or not size or b.memory_space not in memory_spaces:
             continue
         cat = category_of.get(b.id, "temporaries")
         d = diffs.get(cat)
@@ -102,8 +103,24 @@ def memory_category_timeline(prof: Any, settings: Mapping[str, Any]) -> dict[str
     program; constants as static allocations; static and code bytes at every step, as
     ``static``). Raises ValueError when the split does not sum to the model's timeline.
     """
+    if getattr(prof, "counted_start", None):  # PeakMemory splits its own timeline (passes/memory.py)
+        split = prof.category_timeline()
+        return {c: np.asarray(split[c], dtype=np.int64) for c in _ordered(split)}
     lr = prof.ranges
     n = lr.num_steps
+    cats = prof.category_of
+    if not cats:
+        from hloopt.passes.memory import categorize
+
+        cats = categorize(lr)
+    fixed = int(prof.static_bytes) + int(prof.code_bytes)
+    counted = getattr(prof, "counted_start", None)
+    if counted:  # the model says which steps it counts each buffer in: every space but the host's
+        from hloopt.ir import HOST_MEMORY_SPACE
+
+        spaces = {b.memory_space for b in lr.buffers} - {HOST_MEMORY_SPACE}
+        out = flat_category_bytes(lr, cats, start=counted, end=prof.counted_end, memory_spaces=spaces)
+        return _checked(out, prof, fixed)
     start, end = list(lr.start), list(lr.end)
     if settings.get("static_allocations"):
         for b in lr.buffers:
@@ -113,13 +130,12 @@ def memory_category_timeline(prof: Any, settings: Mapping[str, Any]) -> dict[str
         for b in lr.buffers:
             if start[b.id] >= 0 and b.output_indices:
                 start[b.id], end[b.id] = 0, n - 1
-    cats = prof.category_of
-    if not cats:
-        from hloopt.passes.memory import categorize
+    return _checked(flat_category_bytes(lr, cats, start=start, end=end), prof, fixed)
 
-        cats = categorize(lr)
-    out = flat_category_bytes(lr, cats, start=start, end=end)
-    fixed = int(prof.static_bytes) + int(prof.code_bytes)
+
+def _checked(out: dict[str, np.ndarray], prof: Any, fixed: int) -> dict[str, np.ndarray]:
+    """Add the static/code bytes to every step and check the sum against the model's timeline."""
+    n = prof.ranges.num_steps
     if fixed:
         out["static"] = out.get("static", np.zeros(n, dtype=np.int64)) + fixed
     total = sum(out.values(), np.zeros(n, dtype=np.int64))
@@ -227,7 +243,12 @@ def report_data_from_memory(report: Any, device: Mapping[str, Any], *, budget_by
     prof = report.profile
     lr = prof.ranges
     module = lr.module
-    flat = memory_category_timeline(prof, report.settings)
+    note = ""
+    try:
+        flat = memory_category_timeline(prof, report.settings)
+    except ValueError as err:  # the model counts in a way the split does not know: draw the total only
+        flat = {"device": np.asarray(prof.timeline_bytes, dtype=np.int64)}
+        note = f"not split by category ({err})"
     entry = module.entry
     labels = [inst.name if inst.parent is entry or inst.parent is None else f"{inst.parent.name}/{inst.name}"
               for inst in lr.steps]
@@ -241,6 +262,8 @@ def report_data_from_memory(report: Any, device: Mapping[str, Any], *, budget_by
                         + (f", {s.get('alignment_bytes')} B aligned" if s.get("alignment_bytes") else ""),
         "steps": "the flat schedule: each loop body and callee once, at its call site",
     }
+    if note:
+        assumptions["categories"] = note
     if xla.get("peak_memory_in_bytes"):
         xp = int(xla["peak_memory_in_bytes"])
         assumptions["XLA's own peak"] = f"{format_bytes(xp)} (model {(prof.peak_bytes - xp) / xp:+.1%})"
