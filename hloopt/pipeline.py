@@ -256,7 +256,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
         candidates.append(Candidate(
             key=key, name=name, selector=selector, instances=tuple(instances), allowed=allowed,
-            remat_s=remat_s, source=relative_source(r0.source_text), shape=_instance_shape(r0),
+            remat_s=remat_s, source=_op_source(an, r0), shape=_instance_shape(r0),
             primitive=_selector_primitive(r0),
             dot_has_batch_dims=prod.opcode == "dot" and bool(prod.attr_ints("lhs_batch_dims")),
         ))
@@ -354,6 +354,15 @@ def _primitive(inst: Instruction) -> str:
     from hloopt.passes.residuals import primitive_of
 
     return primitive_of(inst)
+
+
+def _op_source(an: Analyzed, r: Any) -> str:
+    """``file:line`` of the op that computes the residual (inside a scan body: the layer's own
+    line, not the scan's), relative to the working directory."""
+    from hloopt.passes.residuals import LIBRARY_PATHS
+
+    loc = an.module.user_source_of(_recomputed_op(r.producer), skip=LIBRARY_PATHS)
+    return relative_source(f"{loc[0]}:{loc[1]}") if loc else relative_source(r.source_text)
 
 
 def _is_input(inst: Instruction) -> bool:

@@ -93,21 +93,30 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
         return 0
 
 
-def _print_outcome(outcome: object, console: object) -> None:
+def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None:
     from rich.table import Table
 
     from hloopt.units import format_bytes, format_seconds
 
     o = outcome  # type: ignore[assignment]
     p = o.plan  # type: ignore[attr-defined]
-    t = Table(title=f"Plan for {p.module} on {o.problem.device}", title_justify="left")  # type: ignore[attr-defined]
-    for col, just in (("candidate", "left"), ("selects", "left"), ("shape", "left"), ("layers", "right"),
-                      ("bytes", "right"), ("action", "left"), ("reason", "left")):
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
-    for d in p.decisions:
+    t = Table(title=f"Plan for {p.target} ({p.module}) on {o.problem.device}", title_justify="left")  # type: ignore[attr-defined]
+    for col, just in (("selected by", "left"), ("shape", "left"), ("layers", "right"), ("bytes", "right"),
+                      ("action", "left"), ("why", "left")):
+        t.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+    moved = [d for d in p.decisions if d.action != "device"]
+    kept = [d for d in p.decisions if d.action == "device"]
+    shown = moved + kept[: max(0, limit - len(moved))]
+    for d in sorted(shown, key=lambda d: (-d.bytes, d.key)):
         style = {"offload": "cyan", "remat": "yellow"}.get(d.action, "")
-        t.add_row(d.key, (f"name {d.name}" if d.name else d.selector.primitive or ""), d.shape, str(d.layers),
-                  format_bytes(d.bytes), f"[{style}]{d.action}[/{style}]" if style else d.action, d.reason)
+        sel = (f"checkpoint_name {d.name!r}" if d.name else
+               f"{d.selector.primitive}" + (f" @ {d.source}" if d.source else ""))
+        t.add_row(sel, d.shape, str(d.layers), format_bytes(d.bytes),
+                  f"[{style}]{d.action}[/{style}]" if style else d.action, d.reason)
+    rest = [d for d in p.decisions if d not in shown]
+    if rest:
+        t.add_row(f"... {len(rest)} smaller residuals", "", "", format_bytes(sum(d.bytes for d in rest)),
+                  "device", "")
     console.print(t)  # type: ignore[attr-defined]
     pr = p.predicted
     s = Table(title="Predicted (one simulator judges every row)", title_justify="left")
