@@ -20,6 +20,9 @@ Environment, set here only when this module is imported before jax (jax reads it
 * ``JAX_PLATFORMS=cpu`` unless set: hloopt never runs programs, and a process that initialises the
   TPU backend holds ``/tmp/libtpu_lockfile``. Deviceless TPU compiles work under ``cpu``.
 
+Source paths in the HLO text (``source_file=``, the ``FileNames`` table) are made relative to the
+working directory, so analyses, reports and plans are the same bytes in any checkout.
+
 Checkpoint policies are baked into a step function when it is traced, so ``policy=`` cannot be
 applied to an arbitrary ``step_fn``: pass a :class:`hloopt.targets.Target` (what TARGET strings
 resolve to) and ``lower`` re-calls its factory with ``policy=``. Every zoo factory takes ``policy=``.
@@ -169,7 +172,7 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
     except Exception as err:  # the user's step failed to trace: their program, not ours
         raise UserError(f"{label}: tracing the step for {platform} failed: "
                         f"{type(err).__name__}: {_first_line(err)}") from err
-    hlo_text = lowered.as_text(dialect="hlo", debug_info=True)
+    hlo_text = relative_paths(lowered.as_text(dialect="hlo", debug_info=True))
     if compile is None:
         return Lowered(platform=platform, hlo_text=hlo_text)
 
@@ -205,7 +208,7 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
             compiled, error = None, str(xla_error(err, compile))
         written = sorted(f for f in set(where.iterdir()) - before
                          if _PARTITIONED_FILE.search(f.name))
-        part_text = written[-1].read_text() if written else None
+        part_text = relative_paths(written[-1].read_text()) if written else None
     if compiled is None:
         if part_text is None:
             raise UserError(error or "XLA could not compile the step")
@@ -220,7 +223,7 @@ def _compiled_result(platform: str, hlo_text: str, compile: str, topology: str |
                      dump_dir: str | os.PathLike[str] | None) -> Lowered:
     return Lowered(
         platform=platform, hlo_text=hlo_text, compiled_for=compile, topology=topology,
-        compiled_text=compiled.as_text(), memory=MappingProxyType(memory_stats(compiled)),
+        compiled_text=relative_paths(compiled.as_text()), memory=MappingProxyType(memory_stats(compiled)),
         cost=MappingProxyType(cost_stats(compiled)),
         dump_dir=Path(dump_dir) if dump_dir is not None else None,
     )
@@ -240,6 +243,14 @@ def xla_error(err: BaseException, compile: str) -> UserError:
     if "RESOURCE_EXHAUSTED" in first:
         return UserError(f"the step does not fit {compile}'s memory: XLA says {first}")
     return UserError(f"XLA could not compile the step for {compile}: {first}")
+
+
+def relative_paths(text: str) -> str:
+    """HLO text with source paths under the working directory made relative
+    (``"/abs/cwd/model.py"`` -> ``"model.py"``), as the snapshots in ``fixtures/hlo`` are: what
+    hloopt prints and writes then does not depend on where the checkout lies."""
+    cwd = os.getcwd().rstrip(os.sep) + os.sep
+    return text.replace('"' + cwd, '"')
 
 
 def _first_line(err: BaseException) -> str:
