@@ -4,8 +4,10 @@
 (lowered, or compiled with ``compile=``), and runs :class:`~hloopt.passes.memory.PeakMemory`
 with the settings that reproduce how the module's compiler counts:
 
-* a scheduled module with TPU tiled layouts (libtpu output): 512-byte aligned buffers, outputs
-  and static allocations for the whole program, generated code added when XLA reported its size;
+* a scheduled module with TPU tiled layouts (libtpu output): libtpu's ``peak_memory_in_bytes``
+  accounting (512-byte aligned buffers, outputs and constants for the whole program, temporaries
+  inside output allocations when XLA puts them there, the larger of the HBM and VMEM heaps, no
+  generated code; see :mod:`hloopt.passes.memory`);
 * any other scheduled module (XLA CPU/GPU output): the module's schedule, exact sizes;
 * a pre-optimization module: ``platform="tpu"`` models XLA's fusion of cheap ops and TPU tiling
   (a prediction of the compiled peak without the code size); other platforms use text order.
@@ -71,21 +73,23 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
                  code_bytes: int = 0) -> dict[str, Any]:
     """The PeakMemory settings that match how the module's compiler counts (module docstring)."""
     tpu_layout = module.is_scheduled and _has_tiles(module)
+    plain = {"reuse_output_allocations": False, "on_chip_heap": False}
     if tpu_layout:
+        # libtpu's peak_memory_in_bytes leaves the generated code out (see PeakMemory)
         return {"kind": "tpu-compiled", "schedule": schedule or "module", "materialize": "all",
                 "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": True,
-                "code_bytes": code_bytes}
+                "code_bytes": 0, "reuse_output_allocations": True, "on_chip_heap": True}
     if module.is_scheduled:
         return {"kind": "compiled", "schedule": schedule or "module", "materialize": "all",
                 "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
-                "code_bytes": code_bytes}
+                "code_bytes": code_bytes, **plain}
     if platform == "tpu":
         return {"kind": "tpu-predicted", "schedule": schedule or "module", "materialize": "tpu-fusion",
                 "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": False,
-                "code_bytes": code_bytes}
+                "code_bytes": code_bytes, **plain}
     return {"kind": "unoptimized", "schedule": schedule or "module", "materialize": "all",
             "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
-            "code_bytes": code_bytes}
+            "code_bytes": code_bytes, **plain}
 
 
 def profile_module(module: Module, *, platform: str | None = None, schedule: str | None = None,
@@ -98,7 +102,9 @@ def profile_module(module: Module, *, platform: str | None = None, schedule: str
         _apply_tpu_tiling(module)
     live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"])
     prof = am.get(PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
-                             static_allocations=s["static_allocations"], code_bytes=s["code_bytes"]))
+                             static_allocations=s["static_allocations"], code_bytes=s["code_bytes"],
+                             reuse_output_allocations=s["reuse_output_allocations"],
+                             on_chip_heap=s["on_chip_heap"]))
     return prof, s
 
 

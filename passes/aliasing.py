@@ -275,7 +275,9 @@ class _Builder:
             self.alias(inst, (1,), ops[0], ())
         elif op.endswith("-start") and ops and inst.shape.is_tuple:
             first = inst.shape.tuple_shapes[0]
-            if first.is_tuple and len(ops) > 1:
+            # async-start's {0} is the tuple of its operands (even of one operand: ``((f32[..]),
+            # out, ctx)``, as libtpu's slice-start), {0} itself is a fresh index table
+            if first.is_tuple and len(first.tuple_shapes) == len(ops):
                 for k, o in enumerate(ops):
                     for idx in _offsets(o.shape)[0]:
                         self.alias(inst, (0, k) + idx, o, idx)

@@ -236,6 +236,7 @@ class Liveness(Analysis[LiveRanges]):
 
         plan = am.get(TpuFusion()) if self.materialize == "tpu-fusion" else None  # passes/fusion_model.py
         fused = plan.fused if plan is not None else frozenset()
+        fused = fused | storage_views(steps)
         # Last step reading each instruction; a fused-away reader reads on behalf of its readers.
         last_read: dict[Instruction, int] = {}
         for inst in reversed(steps):
@@ -283,6 +284,16 @@ class Liveness(Analysis[LiveRanges]):
             if b.output_indices:
                 end[b.id] = last
         return LiveRanges(module, aliasing, steps, time, start, end, sizes, entry_step, segments)
+
+
+#: libtpu custom-calls whose result is a view of their operands' storage: ``ConcatBitcast``
+#: concatenates operands that buffer assignment placed side by side
+_VIEW_TARGETS = frozenset({"ConcatBitcast"})
+
+
+def storage_views(steps: list[Instruction]) -> frozenset[Instruction]:
+    """Instructions that hold no storage of their own: their readers read their operands."""
+    return frozenset(i for i in steps if i.opcode == "custom-call" and i.custom_call_target in _VIEW_TARGETS)
 
 
 def fused_away(aliasing: Aliasing, time: dict[Instruction, int]) -> set[Instruction]:
@@ -336,5 +347,5 @@ def tpu_tiled_bytes(shape: Shape) -> int:
     return max(512, (n * bits + 7) // 8)
 
 
-__all__ = ["LiveRange", "LiveRanges", "Liveness", "MATERIALIZE", "fused_away", "tpu_tiled_bytes",
+__all__ = ["LiveRange", "LiveRanges", "Liveness", "MATERIALIZE", "fused_away", "storage_views", "tpu_tiled_bytes",
            "trip_count"]

@@ -1,26 +1,33 @@
 """Device memory over the schedule: the timeline, the peak, what is live there and why.
 
 From :class:`~hloopt.passes.liveness.LiveRanges`, bytes live at every flat step are summed per
-memory space (device = space 0; host ``S(5)`` apart; on-chip scratch ignored) with a difference
-array: O(buffers + steps). The peak is the first step of maximum device bytes.
+memory space (device = space 0; host ``S(5)`` apart; on-chip scratch ignored unless
+``on_chip_heap``) with a difference array: O(buffers + steps). The peak is the first step of maximum device bytes.
 
 How XLA counts, and the switches that reproduce it (measured on the zoo, see tests):
 
 * XLA CPU (``compile="cpu"``): live-out buffers share the heap with temporaries; the figure to
   compare is the no-fragmentation peak of the live ranges (:class:`PeakMemory` defaults).
-* TPU (libtpu): ``peak_memory_in_bytes`` = arguments + outputs + constants + thread-local
-  scratch + the peak of temporaries + generated code. Outputs get their own allocations (live the
-  whole program: ``outputs_whole_program``), every HBM buffer is 512-byte aligned
-  (``alignment_bytes`` in Liveness), constants and the scalars of reducer computations
-  ("thread-local") are static allocations (``static_allocations``), and the program's code
-  (``generated_code_size_in_bytes``) lives in HBM too (``code_bytes``).
+* TPU (libtpu): ``peak_memory_in_bytes`` = arguments + outputs + constants + the peak of ONE
+  temporaries heap, found allocation by allocation in libtpu's buffer-assignment dumps (zoo, tiny
+  and small): XLA's memory viewer adds the allocations with an indefinite lifetime to the peak of
+  a heap-simulator trace, and libtpu reports the device (HBM) heap or the on-chip S(1) (VMEM)
+  heap, whichever peaks higher (``on_chip_heap``): for the tiny zoo models it is VMEM, for the
+  ``small`` ones HBM. Generated code and thread-local scratch are not in it. Outputs get their
+  own allocations (live the whole program: ``outputs_whole_program``), every HBM buffer is
+  512-byte aligned (``alignment_bytes`` in Liveness), constants are static allocations
+  (``static_allocations``), and XLA's buffer assigner puts temporaries inside output
+  allocations whenever their live ranges allow (``reuse_output_allocations``, see
+  :func:`output_allocation_reuse`), which costs them nothing. ``code_bytes`` can still add
+  the program's code (``generated_code_size_in_bytes``) to every step when a caller wants the
+  resident total.
 
 Categories of a buffer (heuristics from the entry's structure and ``op_name`` metadata):
 ``parameters`` / ``optimizer state`` / ``inputs`` (entry parameters, by name: ``opt_state``,
 ``batch``), ``outputs`` (module outputs that are not donated parameters), ``activations``
 (defined in the forward pass, read by the backward pass: ``transpose(`` in a reader's op_name),
 ``gradients`` (defined in the backward pass with the dims of a parameter), ``temporaries``
-(the rest), ``static`` (constants and scratch); host bytes are reported apart.
+(the rest), ``static`` (constants and code); host bytes are reported apart.
 
 Invariant: ``timeline_bytes[peak_step] == peak_bytes`` and the categories at the peak sum to it.
 """
@@ -36,13 +43,11 @@ from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
 from hloopt.passes.liveness import LiveRanges, Liveness
 
+#: TPU VMEM, the on-chip memory space memory-space assignment moves temporaries into
+ON_CHIP_MEMORY_SPACE = 1
+
 CATEGORIES: tuple[str, ...] = ("parameters", "optimizer state", "inputs", "gradients", "activations",
                                "temporaries", "outputs", "static")
-
-#: ops whose called computations run per element as scalars: XLA gives their values thread-local
-#: scratch rather than heap buffers
-_SCALAR_CALLERS = frozenset({"reduce", "reduce-window", "scatter", "select-and-scatter", "sort", "map",
-                             "all-reduce", "all-reduce-start", "reduce-scatter"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +94,12 @@ class MemoryProfile:
     #: the largest buffers live at the peak
     top: list[BufferInfo]
     category_of: dict[int, str] = field(default_factory=dict, repr=False)
+    #: per buffer id, the steps it is counted in the timeline (start -1: not in it: static,
+    #: inside an output's allocation, another memory space)
+    counted_start: list[int] = field(default_factory=list, repr=False)
+    counted_end: list[int] = field(default_factory=list, repr=False)
+    #: ids of temporaries placed inside module outputs' allocations (``reuse_output_allocations``)
+    absorbed: frozenset[int] = frozenset()
 
     @property
     def peak_instruction(self) -> Instruction:
@@ -114,29 +125,50 @@ class PeakMemory(Analysis[MemoryProfile]):
     top: int = 10
     #: outputs have their own allocations from step 0 (TPU), instead of from their definition
     outputs_whole_program: bool = False
-    #: add constants and reducer scalars as static allocations (TPU)
+    #: constants are static allocations for the whole program (TPU), not timeline buffers
     static_allocations: bool = False
     #: generated code resident in device memory (XLA's generated_code_size_in_bytes)
     code_bytes: int = 0
+    #: XLA's buffer assigner places a temporary inside a module output's allocation when their
+    #: live ranges do not meet (:func:`output_allocation_reuse`); such temporaries cost nothing
+    reuse_output_allocations: bool = False
+    #: libtpu's peak_memory_in_bytes reports one temporaries heap: the device (HBM) heap or the
+    #: on-chip S(1) (VMEM) heap, whichever peaks higher; count the S(1) temporaries instead of the
+    #: device ones when theirs is the higher peak
+    on_chip_heap: bool = False
 
     def run(self, module: Module, am: AnalysisManager) -> MemoryProfile:
         lr = am.get(self.liveness)
         n_steps = len(lr.steps)
         last = n_steps - 1
-        align = max(self.liveness.alignment_bytes, 1)
         sizes = lr.size_bytes
         start, end = list(lr.start), list(lr.end)
         static = 0
         if self.static_allocations:
             for b in lr.buffers:
-                if start[b.id] >= 0 and b.on_device and all(i.opcode == "constant" for i, _ in b.values):
+                if start[b.id] >= 0 and b.on_device and _is_constant(b):
                     static += sizes[b.id]
                     start[b.id] = -1  # counted as static, not in the timeline
-            static += _thread_local_bytes(module, align)
+        absorbed: set[int] = set()
+        if self.reuse_output_allocations:
+            absorbed = output_allocation_reuse(lr)
+            for bid in absorbed:
+                start[bid] = -1  # inside an output's allocation, which is counted whole
         if self.outputs_whole_program:
             for b in lr.buffers:
                 if start[b.id] >= 0 and b.output_indices:
                     start[b.id], end[b.id] = 0, last
+        spaces = (0,)
+        if self.on_chip_heap:
+            temp = [b for b in lr.buffers if start[b.id] >= 0 and b.parameter < 0 and not b.output_indices]
+            device_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp if b.memory_space == 0])
+            chip_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp
+                               if b.memory_space == ON_CHIP_MEMORY_SPACE])
+            if chip_peak > device_peak:
+                spaces = (0, ON_CHIP_MEMORY_SPACE)
+                for b in temp:
+                    if b.memory_space == 0:
+                        start[b.id] = -1
 
         diff = [0] * (n_steps + 1)
         hdiff = [0] * (n_steps + 1)
@@ -144,12 +176,14 @@ class PeakMemory(Analysis[MemoryProfile]):
             s = start[b.id]
             if s < 0:
                 continue
-            if b.memory_space == 0:
+            if b.memory_space in spaces:
                 diff[s] += sizes[b.id]
                 diff[end[b.id] + 1] -= sizes[b.id]
             elif b.memory_space == HOST_MEMORY_SPACE:
                 hdiff[s] += sizes[b.id]
                 hdiff[end[b.id] + 1] -= sizes[b.id]
+            else:
+                start[b.id] = -1  # not in the timeline
         base = static + self.code_bytes
         timeline = [base + x for x in accumulate(diff[:-1])]
         host_timeline = list(accumulate(hdiff[:-1]))
@@ -163,7 +197,7 @@ class PeakMemory(Analysis[MemoryProfile]):
         by_cat = dict.fromkeys(CATEGORIES, 0)
         live = []
         for b in lr.buffers:
-            if b.on_device and 0 <= start[b.id] <= peak_step <= end[b.id] and sizes[b.id]:
+            if b.memory_space in spaces and 0 <= start[b.id] <= peak_step <= end[b.id] and sizes[b.id]:
                 by_cat[cats[b.id]] += sizes[b.id]
                 live.append(b)
         by_cat["static"] += base
@@ -174,24 +208,94 @@ class PeakMemory(Analysis[MemoryProfile]):
             peak_bytes=peak, peak_step=peak_step, argument_bytes=arg, output_bytes=out,
             host_bytes=max(host_timeline, default=0), static_bytes=static, code_bytes=self.code_bytes,
             categories={k: v for k, v in by_cat.items() if v}, top=top, category_of=cats,
+            counted_start=start, counted_end=end, absorbed=frozenset(absorbed),
         )
 
 
-def _thread_local_bytes(module: Module, align: int) -> int:
-    """Bytes of the instructions of scalar computations (reducers) XLA gives thread-local scratch."""
-    comps = {}
-    for inst in module.instructions():
-        if inst.opcode in _SCALAR_CALLERS:
-            for c in inst.called.get("to_apply", []):
-                comps[c] = None
-    total = 0
-    for c in comps:
-        for inst in c.instructions:
-            if inst.opcode in ("tuple", "get-tuple-element", "bitcast"):
+def _is_constant(b: Buffer) -> bool:
+    return all(i.opcode == "constant" for i, _ in b.values)
+
+
+def _peak(intervals: list[tuple[int, int, int]]) -> int:
+    """Largest sum of sizes live at once over closed [start, end] intervals."""
+    events = sorted([(s, size) for s, _, size in intervals] + [(e + 1, -size) for _, e, size in intervals])
+    run = peak = 0
+    for _, delta in events:
+        run += delta
+        peak = max(peak, run)
+    return peak
+
+
+#: instructions that never write over their operand's buffer
+_NO_OPERAND_SHARING = frozenset({"copy", "copy-start", "copy-done", "parameter", "constant", "while",
+                                 "conditional", "call", "tuple", "get-tuple-element", "custom-call"})
+
+
+def output_allocation_reuse(lr: LiveRanges) -> set[int]:
+    """Temporaries XLA's buffer assigner places inside module outputs' allocations.
+
+    XLA (``BufferAssigner::AssignBuffersForComputations``) walks buffers by decreasing size,
+    live-out first among equals, then by definition order. Entry parameters, constants and index
+    tables get their own allocations; a live-out buffer gets a new allocation, kept for reuse; a
+    temporary first tries its defining instruction's operands' allocations, then the reusable
+    allocations from the smallest, and takes the first that is at least its size and whose
+    buffers' live ranges all end before its own starts or start after its own ends
+    (``MaybeAssignBuffer``); only temporaries that fit nowhere go to the heap. Donated parameters
+    share their output's buffer here, so their allocation is reusable too. Device memory only.
+    """
+    sizes, start, end = lr.size_bytes, lr.start, lr.end
+    order = [b for b in lr.buffers if start[b.id] >= 0 and sizes[b.id] > 0 and b.memory_space == 0]
+    order.sort(key=lambda b: (-sizes[b.id], not b.output_indices, start[b.id], b.id))
+    #: allocation index -> (size, [(start, end, buffer id)]); per buffer id, its allocation
+    allocs: list[tuple[int, list[tuple[int, int, int]]]] = []
+    alloc_of: dict[int, int] = {}
+    absorbed: set[int] = set()
+    buffer_at = lr.aliasing.position_buffers
+
+    def shares_operand(user: int, operand: int) -> bool:
+        # XLA lets a value take its operand's buffer at the step where the operand dies when the
+        # defining instruction reads it and may write over it (CanShareOperandBufferWithUser:
+        # an elementwise/in-place user of the same size, never a copy)
+        inst = lr.steps[start[user]]
+        if inst.opcode in _NO_OPERAND_SHARING or sizes[user] != sizes[operand]:
+            return False
+        return any(operand in buffer_at.get(o, ()) for o in inst.operands)
+
+    def fits(k: int, b: Buffer) -> bool:
+        size, ranges = allocs[k]
+        if sizes[b.id] > size:
+            return False
+        s, e = start[b.id], end[b.id]
+        for s2, e2, other in ranges:
+            if e < s2 or e2 < s:
                 continue
-            for _, leaf in inst.shape.leaves():
-                total += -(-leaf.byte_size // align) * align
-    return total
+            if e == s2 and shares_operand(other, b.id) or e2 == s and shares_operand(b.id, other):
+                continue
+            return False
+        return True
+
+    for b in order:
+        if b.output_indices and not b.is_tuple_table:
+            alloc_of[b.id] = len(allocs)
+            allocs.append((sizes[b.id], [(start[b.id], end[b.id], b.id)]))
+            continue
+        if b.output_indices or b.parameter >= 0 or b.is_tuple_table or _is_constant(b):
+            continue
+        tried: dict[int, None] = {}
+        for inst, _ in b.values:
+            for o in inst.operands:
+                for ob in buffer_at.get(o, ()):
+                    k = alloc_of.get(ob)
+                    if k is not None:
+                        tried[k] = None
+        chosen = next((k for k in tried if fits(k, b)), None)
+        if chosen is None:
+            chosen = next((k for k in range(len(allocs) - 1, -1, -1) if fits(k, b)), None)
+        if chosen is not None:
+            allocs[chosen][1].append((start[b.id], end[b.id], b.id))
+            alloc_of[b.id] = chosen
+            absorbed.add(b.id)
+    return absorbed
 
 
 def categorize(lr: LiveRanges) -> dict[int, str]:
@@ -246,4 +350,5 @@ def _info(module: Module, b: Buffer, size: int, cat: str, start: int, end: int) 
                       start=start, end=end)
 
 
-__all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "PeakMemory", "categorize"]
+__all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "ON_CHIP_MEMORY_SPACE", "PeakMemory", "categorize",
+           "output_allocation_reuse"]

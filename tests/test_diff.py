@@ -42,8 +42,6 @@ def test_offloaded_buffers_moved_to_host_match_xla() -> None:
 TOLERANCE = 0.05
 
 
-@pytest.mark.xfail(strict=True, reason="memory model under-counts the compiled Llama snapshots: 3940352 vs "
-                   "XLA 4860416 (no offload), 4085760 vs 5242880 (offload); change +145408 vs +382464")
 def test_peak_change_matches_xla_with_the_memory_model() -> None:
     d = diff_paths(str(BASE), str(OFFLOAD))  # default analyzer: the memory model
     assert d.a.model.startswith("memory model")

@@ -103,9 +103,6 @@ def memory_category_timeline(prof: Any, settings: Mapping[str, Any]) -> dict[str
     program; constants as static allocations; static and code bytes at every step, as
     ``static``). Raises ValueError when the split does not sum to the model's timeline.
     """
-    if getattr(prof, "counted_start", None):  # PeakMemory splits its own timeline (passes/memory.py)
-        split = prof.category_timeline()
-        return {c: np.asarray(split[c], dtype=np.int64) for c in _ordered(split)}
     lr = prof.ranges
     n = lr.num_steps
     cats = prof.category_of
