@@ -238,6 +238,7 @@ def xla_error(err: BaseException, compile: str) -> UserError:
     """
     first = _first_line(err)
     if "lockfile" in first or "already in use" in first:
+        first = first.split(' Run "')[0]  # not its advice to delete the lockfile (see above)
         return UserError(f"cannot compile for {compile}: libtpu is in use by another process "
                          f"(one process at a time may use it); wait for it to finish and retry ({first})")
     if "RESOURCE_EXHAUSTED" in first:
