@@ -141,3 +141,23 @@ ENTRY e {
     assert a.buffer_at(c) is a.buffer_at(m.computations["b0"].root)
     assert a.buffer_at(c) is a.buffer_at(m.computations["b1"].root)
     assert a.buffer_at(m.computations["b1"].parameters[0]) is a.buffer_at(m.entry["p"])
+
+
+def test_async_start_of_one_operand_holds_it_at_0_0() -> None:
+    # libtpu's slice-start: ((operand), result, context); {0} is a fresh index table
+    m, a = alias("""
+HloModule m
+sl {
+  q = f32[64]{0} parameter(0)
+  ROOT s = f32[16]{0} slice(q), slice={[0:16]}
+}
+ENTRY e {
+  p = f32[64]{0} parameter(0)
+  st = ((f32[64]{0}), f32[16]{0}, s32[]) async-start(p), calls=sl
+  ROOT d = f32[16]{0} async-done(st)
+}""")
+    e = m.entry
+    assert a.buffer_at(e["st"], (0, 0)) is a.buffer_at(e["p"])
+    assert a.buffer_at(e["st"], (0,)).is_tuple_table
+    assert a.buffer_at(e["d"]) is a.buffer_at(e["st"], (1,))
+    assert a.buffer_at(e["d"]).size_bytes == 64

@@ -112,3 +112,19 @@ def test_tpu_fusion_does_not_materialize_elementwise_chains() -> None:
     # a and b are fused into c's fusion: only p, c and d hold buffers
     assert {r.buffer.instruction.name for r in fused.ranges()} == {"p", "c", "d"}
     assert max(fused.bytes_per_step()) == 3072 < max(plain.bytes_per_step())
+
+
+def test_concat_bitcast_holds_no_storage_its_operands_live_through_its_readers() -> None:
+    # libtpu's ConcatBitcast is a view of operands placed side by side: no bytes of its own
+    m, lr = live("""
+HloModule m
+ENTRY e {
+  p = f32[256]{0} parameter(0)
+  a = f32[256]{0} negate(p)
+  b = f32[256]{0} exponential(p)
+  c = f32[512]{0} custom-call(a, b), custom_call_target="ConcatBitcast"
+  ROOT r = f32[512]{0} negate(c)
+}""")
+    got = {r.buffer.instruction.name: (r.start, r.end) for r in lr.ranges()}
+    assert got == {"p": (0, 4), "a": (1, 4), "b": (2, 4), "r": (4, 4)}
+    assert lr.bytes_per_step() == [1024, 2048, 3072, 3072, 5120]

@@ -52,3 +52,73 @@ def test_tpu_counting_switches_add_up() -> None:
     # outputs from step 0 (w2 and the 512-B-aligned tuple table) plus code on every step
     assert tpu.timeline_bytes[0] == 16384 * 2 + 2048 + 16384 + 512 + 1000
     assert tpu.peak_bytes >= plain.peak_bytes + 1000
+
+
+REUSE = """
+HloModule m
+ENTRY e {
+  p = f32[256]{0} parameter(0)
+  t = f32[256]{0} exponential(p)
+  u = f32[256]{0} negate(t)
+  o = f32[256]{0} add(u, p)
+  ROOT r = (f32[256]{0}) tuple(o)
+}"""
+
+
+def test_temporaries_inside_an_output_allocation_cost_nothing() -> None:
+    # steps p0 t1 u2 o3 r4: t [1,2] ends before o [3,4] starts; u [2,3] dies where o, which reads
+    # it elementwise, is defined (XLA's operand sharing), so both fit in o's 1 KiB allocation
+    whole = profile(REUSE, outputs_whole_program=True)
+    assert whole.peak_bytes == 4 * 1024 + 8 and whole.peak_step == 2  # p, o (whole), t, u, table
+    reuse = profile(REUSE, outputs_whole_program=True, reuse_output_allocations=True)
+    e = reuse.ranges.module.entry
+    buf = reuse.ranges.aliasing.buffer_at
+    assert reuse.absorbed == {buf(e["t"]).id, buf(e["u"]).id}
+    assert reuse.peak_bytes == 2 * 1024 + 8
+    assert reuse.timeline_bytes[reuse.peak_step] == reuse.peak_bytes
+
+
+def test_a_temporary_that_meets_the_output_or_outgrows_it_stays_on_the_heap() -> None:
+    p = profile("""
+HloModule m
+ENTRY e {
+  p = f32[256]{0} parameter(0)
+  big = f32[512]{0} broadcast(p), dimensions={}
+  s = f32[256]{0} slice(big), slice={[0:256]}
+  w = f32[256]{0} exponential(p)
+  o = f32[256]{0} add(s, p)
+  ROOT r = (f32[256]{0}, f32[256]{0}) tuple(o, w)
+}""", outputs_whole_program=True, reuse_output_allocations=True)
+    e = p.ranges.module.entry
+    buf = p.ranges.aliasing.buffer_at
+    # steps p0 big1 s2 w3 o4 r5: big is larger than any output; s [2,4] dies at o [4,5], which
+    # reads it elementwise and may overwrite it, so s fits in o's allocation
+    assert buf(e["big"]).id not in p.absorbed
+    assert buf(e["s"]).id in p.absorbed
+
+
+ON_CHIP = """
+HloModule m
+ENTRY e {
+  p = f32[256]{0} parameter(0)
+  a = f32[4,256]{1,0:S(1)} broadcast(p), dimensions={1}
+  c = f32[256]{0} negate(p)
+  s = f32[1,256]{1,0:S(1)} slice(a), slice={[0:1], [0:256]}
+  t = f32[256]{0} reshape(s)
+  o = f32[256]{0} add(c, t)
+  ROOT r = (f32[256]{0}) tuple(o)
+}"""
+
+
+def test_libtpu_reports_the_on_chip_heap_when_it_peaks_higher() -> None:
+    # steps p0 a1 c2 s3 t4 o5 r6. Device temporaries c [2,5] and t [4,5] peak at 2 KiB; on-chip
+    # S(1) a [1,3] and s [3,4] peak at 5 KiB at step 3, which libtpu reports instead
+    device = profile(ON_CHIP, outputs_whole_program=True)
+    assert device.peak_bytes == 1024 + 1024 + 8 + 2048
+    chip = profile(ON_CHIP, outputs_whole_program=True, on_chip_heap=True)
+    assert chip.peak_bytes == 1024 + 1024 + 8 + 4096 + 1024 and chip.peak_step == 3
+    assert sum(chip.categories.values()) == chip.peak_bytes
+    # with the device heap the larger one, nothing changes
+    small_chip = ON_CHIP.replace("f32[4,256]{1,0:S(1)} broadcast", "f32[1,256]{1,0:S(1)} broadcast")
+    assert profile(small_chip, outputs_whole_program=True, on_chip_heap=True).peak_bytes == \
+        profile(small_chip, outputs_whole_program=True).peak_bytes
