@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["lower", "policy"]
+__all__ = ["auto_offload", "lower", "policy"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,6 +14,10 @@ def __getattr__(name: str) -> Any:
         from hloopt.lowering import lower
 
         return lower
+    if name == "auto_offload":
+        from hloopt.auto import auto_offload
+
+        return auto_offload
     if name == "policy":
         from hloopt.emit import policy
 
