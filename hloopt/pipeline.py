@@ -590,8 +590,10 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
     the backward pass reads twice, a primitive inside a ``jit``). The step is lowered once with
     every such rule offloading (names saved); rules whose shape's ``pinned_host`` annotations
     (times their loop trip counts, :func:`hloopt.verify.offload_annotations`) do not add up to
-    the candidates' instances are lowered again alone, and a rule that still annotates a
-    different number of values than it has instances may only stay on device.
+    the candidates' instances, or that share their shape with another rule, are lowered again
+    alone, and a rule that annotates a different number of values than it has instances may only
+    stay on device. Rules still interact (recomputing one value can make another a residual):
+    ``hloopt verify`` checks the chosen plan as a whole.
     """
     from collections import Counter
 
@@ -618,9 +620,11 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
         expected[c.shape] += len(c.instances)
     bad: dict[str, int] = {}
     for c in rules:
-        if seen[c.shape] == expected[c.shape]:
+        shared = expected[c.shape] != len(c.instances)
+        if not shared and seen[c.shape] == expected[c.shape]:
             continue
-        n = annotated([c])[c.shape] if expected[c.shape] != len(c.instances) else seen[c.shape]
+        # Rules sharing a shape are told apart by lowering each alone (sums can hide swaps).
+        n = annotated([c])[c.shape] if shared else seen[c.shape]
         if n != len(c.instances):
             bad[c.key] = n
     if not bad:
