@@ -121,12 +121,14 @@ def prepare(row: str, out: Path, *, tpu: str | None) -> dict[str, Any]:
     (out / f"{row}.hlo").write_text(text)
     (out / f"{row}.names.json").write_text(json.dumps(names))
     if tpu:
-        step = lowering._jit(as_written.step_fn, ())
-        topology, devices = lowering._tpu_devices(tpu, lowering._mesh_size(as_written.args, dict(as_written.kwargs)))
-        args, kwargs = lowering._place((as_written.args, dict(as_written.kwargs)), devices, tpu)
-        lowered = step.trace(*args, **kwargs).lower()
+        # libtpu is initialised by the topology query already: the lock covers all of it
         with open(LOCK, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            step = lowering._jit(as_written.step_fn, ())
+            topology, devices = lowering._tpu_devices(tpu, lowering._mesh_size(as_written.args,
+                                                                               dict(as_written.kwargs)))
+            args, kwargs = lowering._place((as_written.args, dict(as_written.kwargs)), devices, tpu)
+            lowered = step.trace(*args, **kwargs).lower()
             with Clock() as c:
                 try:
                     compiled = lowered.compile()
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tpu", action="store_true", help="skip the libtpu compiles")
     ap.add_argument("--out", default=None, help="folder for the lowered texts and JSON (default: a temp dir)")
     ap.add_argument("--markdown", action="store_true", help="print only the Markdown table")
+    ap.add_argument("--reuse", action="store_true", help="take rows already measured in --out as they are")
     ap.add_argument("--json", default=None, help="also write all measurements here")
     ap.add_argument("--worker", choices=["prepare", "plan"], help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
@@ -286,8 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for row in opts.rows:
-        res = _worker("prepare", row, out, opts)
-        res.update(_worker("plan", row, out, opts))
+        done = [out / f"{row}.{stage}.json" for stage in ("prepare", "plan")]
+        if opts.reuse and all(f.exists() for f in done):
+            res = {k: v for f in done for k, v in json.loads(f.read_text()).items()}
+        else:
+            res = _worker("prepare", row, out, opts)
+            res.update(_worker("plan", row, out, opts))
         rows.append(res)
         if not opts.markdown:
             print(f"{row}: {res['instructions']:,} instructions, plan {res['plan_s']:.2f} s CPU "

@@ -154,6 +154,15 @@ class _Builder:
         self.slot_index: list[ShapeIndex] = []
         self.parent: list[int] = []
         self.defines: list[bool] = []
+        #: instruction -> _offsets(its shape): hashing a large tuple Shape on every lookup was a
+        #: third of the aliasing time on 40k-instruction modules; instructions hash by identity
+        self.offsets: dict[Instruction, tuple[list[ShapeIndex], dict[ShapeIndex, int]]] = {}
+
+    def _offsets(self, inst: Instruction) -> tuple[list[ShapeIndex], dict[ShapeIndex, int]]:
+        got = self.offsets.get(inst)
+        if got is None:
+            got = self.offsets[inst] = _offsets(inst.shape)
+        return got
 
     # -- union-find ------------------------------------------------------------------------------
     def find(self, s: int) -> int:
@@ -177,7 +186,7 @@ class _Builder:
         base = self.base.get(inst)
         if base is None:
             return None
-        off = _offsets(inst.shape)[1].get(index)
+        off = self._offsets(inst)[1].get(index)
         return None if off is None else base + off
 
     def alias(self, inst: Instruction, index: ShapeIndex, src: Instruction, src_index: ShapeIndex) -> None:
@@ -189,7 +198,7 @@ class _Builder:
         self.union(a, b)
 
     def alias_all(self, inst: Instruction, src: Instruction, prefix: ShapeIndex = ()) -> None:
-        for idx in _offsets(inst.shape)[0]:
+        for idx in self._offsets(inst)[0]:
             self.alias(inst, idx, src, prefix + idx)
 
     def share(self, a_inst: Instruction, a_idx: ShapeIndex, b_inst: Instruction, b_idx: ShapeIndex) -> None:
@@ -219,7 +228,7 @@ class _Builder:
         comps = self.visited_computations()
         for comp in comps:
             for inst in comp.instructions:
-                indices = _offsets(inst.shape)[0]
+                indices = self._offsets(inst)[0]
                 self.base[inst] = len(self.slot_inst)
                 for idx in indices:
                     n = len(self.slot_inst)
@@ -242,7 +251,7 @@ class _Builder:
             self.alias_all(inst, ops[0], (inst.tuple_index,))
         elif op == "tuple":
             for k, o in enumerate(ops):
-                for idx in _offsets(o.shape)[0]:
+                for idx in self._offsets(o)[0]:
                     self.alias(inst, (k,) + idx, o, idx)
         elif op in _PASS_THROUGH and ops:
             self.alias_all(inst, ops[0])
@@ -255,14 +264,14 @@ class _Builder:
                 if comp is not None and comp.parameters:
                     self.alias_all(comp.parameters[0], init)
             if body is not None and body.root is not None:
-                for idx in _offsets(inst.shape)[0]:
+                for idx in self._offsets(inst)[0]:
                     self.share(inst, idx, body.root, idx)
         elif op == "conditional":
             for k, branch in enumerate(inst.called.get("branch_computations", [])):
                 if branch.parameters and k + 1 < len(ops):
                     self.alias_all(branch.parameters[0], ops[k + 1])
                 if branch.root is not None:
-                    for idx in _offsets(inst.shape)[0]:
+                    for idx in self._offsets(inst)[0]:
                         self.share(inst, idx, branch.root, idx)
         elif op == "call":
             for callee in inst.called.get("calls", []) or inst.called.get("to_apply", []):
@@ -279,10 +288,10 @@ class _Builder:
             # out, ctx)``, as libtpu's slice-start), {0} itself is a fresh index table
             if first.is_tuple and len(first.tuple_shapes) == len(ops):
                 for k, o in enumerate(ops):
-                    for idx in _offsets(o.shape)[0]:
+                    for idx in self._offsets(o)[0]:
                         self.alias(inst, (0, k) + idx, o, idx)
             elif len(ops) == 1 or op != "async-start":
-                for idx in _offsets(ops[0].shape)[0]:
+                for idx in self._offsets(ops[0])[0]:
                     self.alias(inst, (0,) + idx, ops[0], idx)
         elif op == "async-update" and ops:
             self.alias_all(inst, ops[0])
@@ -339,7 +348,7 @@ class _Builder:
                 for p in entry.parameters:
                     s = self.base.get(p)
                     if s is not None:
-                        for off in range(len(_offsets(p.shape)[0])):
+                        for off in range(len(self._offsets(p)[0])):
                             self._param_roots.append((s + off, p.parameter_number in donated))
         return any(not d and self.find(s) == root for s, d in self._param_roots)
 
@@ -372,11 +381,11 @@ class _Builder:
         if entry is not None:
             for p in entry.parameters:
                 base = self.base[p]
-                for off in range(len(_offsets(p.shape)[0])):
+                for off in range(len(self._offsets(p)[0])):
                     param_of.setdefault(bid[roots[base + off]], p.parameter_number)
             if entry.root is not None:
                 base = self.base[entry.root]
-                for off, idx in enumerate(_offsets(entry.root.shape)[0]):
+                for off, idx in enumerate(self._offsets(entry.root)[0]):
                     outputs.setdefault(bid[roots[base + off]], []).append(idx)
         buffers: list[Buffer] = []
         inst_of, index_of = self.slot_inst, self.slot_index
@@ -397,7 +406,7 @@ class _Builder:
                 values=tuple((inst_of[s], index_of[s]) for s in defs),
                 parameter=param_of.get(b, -1), output_indices=tuple(outputs.get(b, ())),
             ))
-        position_buffers = {inst: tuple(bid[roots[base + k]] for k in range(len(_offsets(inst.shape)[0])))
+        position_buffers = {inst: tuple(bid[roots[base + k]] for k in range(len(self._offsets(inst)[0])))
                             for inst, base in self.base.items()}
         return Aliasing(self.module, buffers, comps, position_buffers)
 
