@@ -3,6 +3,9 @@
 * TPU-compiled snapshots (``<m>[.offload].tpu-v5e.hlo`` + ``.json``): peak within 0.5% of libtpu's
   ``peak_memory_in_bytes`` and host bytes within 1% of ``host_temp_size_in_bytes``; arguments and
   outputs exactly. How libtpu counts is in :mod:`hloopt.passes.memory`'s docstring.
+* The ``small`` sizes of llama and gpt2, compiled by libtpu (``fixtures/hlo/zoo/dumps``, recorded
+  by ``fixtures/record_small_tpu.py``): peak within 0.5%, and allocation by allocation the
+  temporaries XLA places inside output allocations; a slow+tpu test recompiles llama small.
 * CPU (slow: compiles here with an XLA dump): bytes live at the moment XLA's live-range dump calls
   its peak, within 2% of XLA's figure for that moment. XLA chooses that moment with a size rule of
   its own (``ComputePeakMemoryMoment`` sizes every value by its instruction's whole shape), so our
@@ -89,3 +92,82 @@ def test_cpu_compiled_matches_xla_live_range_peak(model: str, tmp_path: Path) ->
     per_step = lr.bytes_per_step()
     assert per_step[moment] == pytest.approx(xla_bytes, rel=0.02)
     assert max(per_step) >= xla_bytes
+
+
+# -- the small zoo sizes: libtpu's figures recorded by fixtures/record_small_tpu.py ---------------
+
+DUMPS = ZOO / "dumps"
+SMALL = ("llama", "gpt2")
+
+
+def _small() -> dict[str, dict[str, object]]:
+    return json.loads((DUMPS / "small.tpu-v5e.json").read_text())["models"]  # type: ignore[no-any-return]
+
+
+def _small_module(model: str):  # type: ignore[no-untyped-def]
+    import gzip
+
+    from hloopt.hlo.parser import parse_module
+
+    path = DUMPS / f"{model}.small.tpu-v5e.hlo.gz"
+    return parse_module(gzip.decompress(path.read_bytes()).decode(), filename=str(path))
+
+
+@pytest.mark.parametrize("model", SMALL)
+def test_small_tpu_compiled_peak_within_half_a_percent(model: str) -> None:
+    xla = _small()[model]["memory"]
+    assert isinstance(xla, dict)
+    report = analyze(_small_module(model), xla=xla)
+    p = report.profile
+    assert p.argument_bytes == xla["argument_size_in_bytes"]
+    assert abs(p.output_bytes - xla["output_size_in_bytes"]) <= 4 * 512
+    # here the HBM temporaries heap is the one libtpu reports (the tiny models report VMEM's)
+    assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=0.005)
+    # without placing temporaries inside output allocations the model would over-count
+    assert p.absorbed
+
+
+@pytest.mark.parametrize("model", SMALL)
+def test_small_temporaries_inside_output_allocations_are_xlas(model: str) -> None:
+    """Allocation by allocation: the temporaries we place inside outputs are the ones XLA does."""
+    xla_names = set(_small()[model]["values_in_output_allocations"])  # type: ignore[arg-type]
+    p = analyze(_small_module(model)).profile
+    lr = p.ranges
+    ours_bytes = agree_bytes = missed_bytes = 0
+    for b in lr.buffers:
+        if b.parameter >= 0 or b.output_indices or not b.on_device or lr.start[b.id] < 0 or b.is_tuple_table:
+            continue
+        names = {i.name + "{" + ",".join(map(str, x)) + "}" for i, x in b.values}
+        size = lr.size_bytes[b.id]
+        if b.id in p.absorbed:
+            ours_bytes += size
+            agree_bytes += size if names & xla_names else 0
+        elif names & xla_names:
+            missed_bytes += size
+    assert ours_bytes > 0
+    assert agree_bytes >= 0.99 * ours_bytes
+    assert missed_bytes <= SMALL_MISSED_SHARE[model] * ours_bytes
+
+
+#: bytes of temporaries XLA places inside outputs that we leave on the heap, as a share of what we
+#: place there. gpt2: 30 MiB of HBM copies of evicted VMEM values (``copy-start{0}``); its reported
+#: heap is VMEM's, so the peak does not show it
+SMALL_MISSED_SHARE = {"llama": 0.01, "gpt2": 0.05}
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_small_llama_recompiled_matches_the_recorded_figures() -> None:
+    """libtpu here still gives the recorded figures, and our peak of its fresh output agrees."""
+    from fixtures.zoo import llama
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+
+    step, args = llama.make("small")
+    lowered = lower(step, *args, platform="tpu", compile="tpu-v5e")
+    assert lowered.memory is not None and lowered.compiled_text is not None
+    recorded = _small()["llama"]["memory"]
+    assert isinstance(recorded, dict)
+    assert lowered.memory["peak_memory_in_bytes"] == recorded["peak_memory_in_bytes"]
+    report = analyze(parse_module(lowered.compiled_text), xla=lowered.memory)
+    assert report.peak_bytes == pytest.approx(lowered.memory["peak_memory_in_bytes"], rel=0.005)
