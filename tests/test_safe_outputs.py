@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import resource
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -184,10 +182,10 @@ def test_an_error_before_writing_leaves_no_file(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
 
 
-def _limit_file_size() -> None:
-    # Writes past 64 KiB fail with EFBIG (instead of the default SIGXFSZ killing the process).
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+#: ``python -m hloopt`` in a process whose writes past 64 KiB fail with EFBIG (CPython ignores
+#: SIGXFSZ, so the write raises instead of the signal killing the process)
+_SMALL_FILES = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10)); "
+                "sys.argv[0] = 'hloopt'; runpy.run_module('hloopt', run_name='__main__')")
 
 
 def test_a_write_failing_half_way_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
@@ -198,14 +196,14 @@ def test_a_write_failing_half_way_keeps_the_old_file_and_leaves_no_temporary(tmp
     before = out.read_bytes()
     assert len(before) > 64 << 10  # the report is bigger than the limit below
     # Same report for another budget: different bytes, and the write fails past 64 KiB.
-    r = subprocess.run([sys.executable, "-m", "hloopt", "report", HLO, "-q", "--budget", "1MiB", "-o", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, preexec_fn=_limit_file_size)
+    r = subprocess.run([sys.executable, "-c", _SMALL_FILES, "report", HLO, "-q", "--budget", "1MiB", "-o", str(out)],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.splitlines() == [f"hloopt: error: {out}: cannot write: File too large"]
     assert out.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
     fresh = tmp_path / "new.html"
-    r = subprocess.run([sys.executable, "-m", "hloopt", "report", HLO, "-q", "-o", str(fresh)],
-                       cwd=ROOT, capture_output=True, text=True, preexec_fn=_limit_file_size)
+    r = subprocess.run([sys.executable, "-c", _SMALL_FILES, "report", HLO, "-q", "-o", str(fresh)],
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 2 and not fresh.exists()
     assert [p.name for p in tmp_path.iterdir()] == ["report.html"]
