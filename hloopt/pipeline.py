@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -365,6 +366,25 @@ def _op_source(an: Analyzed, r: Any) -> str:
     return relative_source(f"{loc[0]}:{loc[1]}") if loc else relative_source(r.source_text)
 
 
+def _name_marker(inst: Instruction) -> Instruction | None:
+    """The ``reduce-precision`` identity a residual's value is (through tuples and views), if any."""
+    for _ in range(64):
+        if inst.opcode == "reduce-precision":
+            return inst
+        if inst.opcode in ("copy", "bitcast", "reshape") and inst.operands:
+            inst = inst.operands[0]
+            continue
+        if inst.opcode != "get-tuple-element" or not inst.operands:
+            return None
+        src = inst.operands[0]
+        if src.opcode in _BARRIERS and src.operands and src.operands[0].opcode == "tuple":
+            src = src.operands[0]
+        if src.opcode != "tuple" or not 0 <= inst.tuple_index < len(src.operands):
+            return None
+        inst = src.operands[inst.tuple_index]
+    return None
+
+
 def _is_input(inst: Instruction) -> bool:
     while inst.opcode == "get-tuple-element" and inst.operands:
         inst = inst.operands[0]
@@ -644,9 +664,41 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     from hloopt.naming import name_residuals
     from hloopt.passes.residuals import find_residuals
 
+    from hloopt.passes.residuals import LIBRARY_PATHS
+
     plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
     probe = name_residuals(tgt, baseline=find_residuals(module), platform=plat)
-    return {r.inst.name: r.name for r in probe.residuals if r.name}
+    probed = {r.inst.name: r.name for r in probe.residuals if r.name}
+    # The probe matches residuals of two different lowerings, falling back to shapes, which is
+    # ambiguous when several names share a shape (q/context/out projections). JAX lowers
+    # ``checkpoint_name(x, n)`` to an identity ``reduce-precision`` carrying the call's source
+    # line: a residual that is such a marker's value, on a line where exactly one name is
+    # called, has that name.
+    by_line: dict[tuple[str, int], set[str]] = {}
+    for site in probe.sites:
+        by_line.setdefault((relative_source(site.file), site.line), set()).add(site.name)
+    names: dict[str, str] = {}
+    for r in probe.residuals:
+        marker = _name_marker(r.producer)
+        if marker is None:
+            continue
+        loc = module.user_source_of(marker, skip=LIBRARY_PATHS)
+        if loc is None:
+            continue
+        found = by_line.get((relative_source(loc[0]), loc[1]), set())
+        if len(found) != 1:
+            continue
+        name = next(iter(found))
+        # ... and what selecting that name moves (the probe's values) has its size and type
+        # (a reshape of the named value counts: the same bytes move).
+        if any(v.name == name and v.dtype == r.dtype and math.prod(v.per_layer_dims) == math.prod(r.per_layer_dims)
+               for v in probe.values):
+            names[r.inst.name] = name
+    taken = set(names.values())
+    for inst_name, name in probed.items():
+        if inst_name not in names and name not in taken:
+            names[inst_name] = name
+    return names
 
 
 def iter_steps(problem: Problem) -> Iterator[tuple[int, Step]]:

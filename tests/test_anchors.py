@@ -80,9 +80,11 @@ def test_anchor_decisions_follow_the_policies():
     assert governed
     assert set(by["nothing_saveable"].of(Action.REMAT)) == {c.key for c in governed}
     offl = set(by["offload_all_names"].of(Action.OFFLOAD))
-    assert offl == {c.key for c in governed if c.name and Action.OFFLOAD in c.allowed}
-    assert by["minimal"].action("name:query_proj") == Action.DEVICE  # minimal saves projections
-    assert by["full"].action("name:query_proj") == Action.REMAT
+    assert offl == {c.key for c in problem.candidates if c.name and Action.OFFLOAD in c.allowed}
+    assert by["minimal"].action("name:mlpwi_0") == Action.DEVICE  # minimal saves projections
+    assert by["full"].action("name:mlpwi_0") == Action.REMAT
+    # the scan carry is saved by the scan itself whatever the policy says
+    assert by["full"].action("name:decoder_layer_input") == Action.DEVICE
 
 
 def test_small_llama_never_dominated():

@@ -46,12 +46,20 @@ def test_all_device_replay_equals_analyzed_peak(llama_problem):
 
 
 def test_llama_candidates_carry_maxtext_names(llama_problem):
+    from hloopt.problem import Action
+
     _, problem = llama_problem
     names = {c.name for c in problem.candidates if c.name}
-    assert {"query_proj", "context", "mlpwi_0", "decoder_layer_input"} <= names
-    # scanned layers: one instance per layer of the tiny model (2 layers)
-    q = problem.candidate("name:query_proj")
-    assert len(q.instances) == 2 and q.bytes == 2 * 2 * 32 * 64 * 4
+    # With everything saved, q/k/v projections are not read by the backward pass (RoPE is
+    # linear): their backward reads the rotated values instead.
+    assert {"decoder_layer_input", "context", "out_proj", "mlpwi_0", "mlpwi_1"} <= names
+    # scanned layers: one instance per layer of the tiny model (2 layers), [batch 2, seq 32, d_ff 128]
+    w1 = problem.candidate("name:mlpwi_0")
+    assert [i.bytes for i in w1.instances] == [2 * 32 * 128 * 4] * 2
+    # the layer input is the scan's carry: it can be offloaded, not recomputed
+    carry = problem.candidate("name:decoder_layer_input")
+    assert Action.OFFLOAD in carry.allowed and Action.REMAT not in carry.allowed
+    assert Action.REMAT in w1.allowed
 
 
 @pytest.mark.parametrize("fraction", [0.999, 0.995])
