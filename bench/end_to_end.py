@@ -121,12 +121,22 @@ def prepare(row: str, out: Path, *, tpu: str | None) -> dict[str, Any]:
     (out / f"{row}.hlo").write_text(text)
     (out / f"{row}.names.json").write_text(json.dumps(names))
     if tpu:
-        # libtpu is initialised by the topology query already: the lock covers all of it
+        # libtpu is initialised by the topology query already: the lock covers all of it. A
+        # process that uses libtpu without the flock makes the query fail: wait and retry.
+        from hloopt.errors import UserError
+
         with open(LOCK, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            for attempt in range(30):
+                try:
+                    topology, devices = lowering._tpu_devices(
+                        tpu, lowering._mesh_size(as_written.args, dict(as_written.kwargs)))
+                    break
+                except UserError:
+                    if attempt == 29:
+                        raise
+                    time.sleep(10)
             step = lowering._jit(as_written.step_fn, ())
-            topology, devices = lowering._tpu_devices(tpu, lowering._mesh_size(as_written.args,
-                                                                               dict(as_written.kwargs)))
             args, kwargs = lowering._place((as_written.args, dict(as_written.kwargs)), devices, tpu)
             lowered = step.trace(*args, **kwargs).lower()
             with Clock() as c:
