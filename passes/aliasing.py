@@ -9,8 +9,17 @@ What aliases (everything else defines a value):
 
 * ``tuple`` {i,...} = operand i {...} (its {} is a fresh index table); ``get-tuple-element`` {...}
   = operand {k,...}; ``bitcast``, ``opt-barrier``, ``domain``, ``add-dependency`` = operand 0.
-* ``while``: init, body parameter, body root, condition parameter and the while's result share one
-  buffer per shape index (the loop state); ``conditional``: each branch parameter = its operand,
+* ``while``: body parameter, body root, condition parameter and the while's result share one
+  buffer per shape index (the loop state), as XLA's copy insertion leaves them
+  (``AddCopiesForWhile`` copies every slot the body changes, ``RemoveUnnecessaryCopies`` drops
+  the copies whose live ranges do not interfere). The init value *is* the slot's buffer when the
+  body hands the slot back unchanged, or when the value is free to be overwritten; the slot gets
+  a buffer of its own (the init is copied in) when the init value is read-only (an entry
+  parameter that is not donated, a constant), starts another slot too (one zeros array starting
+  several accumulators), or is read after the loop. The body root's value becomes the slot in
+  place unless it is another slot's value or read-only (a swap, a constant): then it is copied.
+  Loops are resolved after every other instruction, outer loops first.
+  ``conditional``: each branch parameter = its operand,
   the result = every branch root; ``call``: callee parameters = operands, result = callee root.
 * fusions allocate only their outputs (their computations are not visited), except in place:
   a fusion whose root (or root tuple element) is ``dynamic-update-slice`` / ``scatter`` updating a
@@ -237,9 +246,17 @@ class _Builder:
                     self.parent.append(n)
                     self.defines.append(True)
         entry = self.module.entry
+        whiles: list[Instruction] = []
         for comp in comps:
             for inst in comp.instructions:
-                self.visit(inst)
+                if inst.opcode == "while":
+                    whiles.append(inst)
+                else:
+                    self.visit(inst)
+        # Loop state last, outer loops first: whether a slot needs a copy depends on which
+        # buffers the init and the body root already are (copy insertion, module docstring).
+        for inst in whiles:
+            self.visit_while(inst)
         if entry is not None and entry.root is not None:
             self.donations(entry)
         return self.collect(comps)
@@ -255,17 +272,8 @@ class _Builder:
                     self.alias(inst, (k,) + idx, o, idx)
         elif op in _PASS_THROUGH and ops:
             self.alias_all(inst, ops[0])
-        elif op == "while" and ops:
-            init = ops[0]
-            body = inst.called.get("body", [None])[0]
-            cond = inst.called.get("condition", [None])[0]
-            self.alias_all(inst, init)
-            for comp in (body, cond):
-                if comp is not None and comp.parameters:
-                    self.alias_all(comp.parameters[0], init)
-            if body is not None and body.root is not None:
-                for idx in self._offsets(inst)[0]:
-                    self.share(inst, idx, body.root, idx)
+        elif op == "while":
+            self.visit_while(inst)
         elif op == "conditional":
             for k, branch in enumerate(inst.called.get("branch_computations", [])):
                 if branch.parameters and k + 1 < len(ops):
@@ -304,6 +312,104 @@ class _Builder:
                 self.alias_all(inst, start)
         elif self.in_place:
             self.visit_in_place(inst)
+
+    def visit_while(self, inst: Instruction) -> None:
+        """Loop state: one buffer per shape index, with XLA's copy insertion (module docstring)."""
+        if not inst.operands:
+            return
+        init = inst.operands[0]
+        body = (inst.called.get("body") or [None])[0]
+        cond = (inst.called.get("condition") or [None])[0]
+        params = [c.parameters[0] for c in (body, cond) if c is not None and c.parameters]
+        root = body.root if body is not None else None
+        body_param = body.parameters[0] if body is not None and body.parameters else None
+        indices = self._offsets(inst)[0]
+        leaves = [idx for idx in indices if not inst.shape.at(idx).is_tuple]
+        readonly = self._readonly_roots()
+
+        def passes_through(idx: ShapeIndex) -> bool:
+            # the body hands the slot back unchanged (root {idx} is the parameter's {idx})
+            if root is None or body_param is None:
+                return False
+            a, b = self.slot(root, idx), self.slot(body_param, idx)
+            return a is not None and b is not None and self.find(a) == self.find(b)
+
+        def init_root(idx: ShapeIndex) -> int | None:
+            s = self.slot(init, idx)
+            return None if s is None else self.find(s)
+
+        through = {idx for idx in leaves if passes_through(idx)}
+        # A value the body never changes stays where it is; every other slot writes its buffer,
+        # so it needs its own unless the init value is free to take: not read-only (an entry
+        # parameter that is not donated, a constant), not already another slot's, not read
+        # after the loop.
+        claimed = {init_root(idx) for idx in through}
+        copied: set[ShapeIndex] = set()
+        for idx in leaves:
+            if idx in through:
+                continue
+            r = init_root(idx)
+            if r is None or r in claimed or r in readonly or self._read_after(init, idx, inst):
+                copied.add(idx)
+            claimed.add(r)
+        for idx in indices:
+            if idx in copied:
+                for p in params:  # the state's own buffer, defined by the loop
+                    self.alias(p, idx, inst, idx)
+            else:
+                self.alias(inst, idx, init, idx)
+                for p in params:
+                    self.alias(p, idx, init, idx)
+        if root is None:
+            return
+        # The body's result becomes the next iteration's state in place, unless it is another
+        # slot's value, or read-only: then XLA copies it into the slot.
+        state = {self.find(s) for idx in leaves if (s := self.slot(inst, idx)) is not None}
+        for idx in indices:
+            a, b = self.slot(inst, idx), self.slot(root, idx)
+            if a is None or b is None:
+                continue
+            ra, rb = self.find(a), self.find(b)
+            if ra == rb:
+                continue
+            if idx in leaves and (rb in state or rb in readonly):
+                continue
+            self.union(a, b)
+            if ra in state:
+                state.discard(ra)
+                state.add(self.find(a))
+
+    def _readonly_roots(self) -> set[int]:
+        """Buffers nothing may write: undonated entry parameters and constants."""
+        if not hasattr(self, "_readonly_slots"):
+            entry = self.module.entry
+            donated = {a.parameter_number for a in self.module.input_output_alias}
+            slots: list[int] = []
+            for inst, base in self.base.items():
+                if inst.opcode == "constant" or (inst.opcode == "parameter" and inst.parent is entry
+                                                 and inst.parameter_number not in donated):
+                    slots.extend(range(base, base + len(self._offsets(inst)[0])))
+            self._readonly_slots = slots
+        return {self.find(s) for s in self._readonly_slots}
+
+    def _read_after(self, init: Instruction, idx: ShapeIndex, loop: Instruction) -> bool:
+        """Whether the value at ``init`` {idx} has a reader after ``loop`` in its computation."""
+        src = init
+        while src.opcode == "tuple" and idx and idx[0] < len(src.operands):
+            src, idx = src.operands[idx[0]], idx[1:]
+        comp = loop.parent
+        if src.parent is not comp or comp is None:
+            return False
+        order = self._order(comp)
+        at = order.get(loop, -1)
+        return any(u is not init and order.get(u, -1) > at for u in src.users)
+
+    def _order(self, comp: Computation) -> dict[Instruction, int]:
+        cache: dict[Computation, dict[Instruction, int]] = self.__dict__.setdefault("_orders", {})
+        got = cache.get(comp)
+        if got is None:
+            got = cache[comp] = {inst: k for k, inst in enumerate(comp.instructions)}
+        return got
 
     def visit_in_place(self, inst: Instruction) -> None:
         op = inst.opcode

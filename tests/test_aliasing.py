@@ -33,10 +33,9 @@ ENTRY e {
     assert len(a.buffers) == 4
 
 
-def test_while_state_is_one_buffer_per_index() -> None:
-    m, a = alias("""
-HloModule m
-body {
+_LOOP = """
+HloModule m{alias}
+body {{
   s = (s32[], f32[16]) parameter(0)
   i = s32[] get-tuple-element(s), index=0
   x = f32[16] get-tuple-element(s), index=1
@@ -44,9 +43,65 @@ body {
   i2 = s32[] add(i, one)
   x2 = f32[16] exponential(x)
   ROOT t = (s32[], f32[16]) tuple(i2, x2)
+}}
+cond {{
+  s = (s32[], f32[16]) parameter(0)
+  i = s32[] get-tuple-element(s), index=0
+  n = s32[] constant(4)
+  ROOT lt = pred[] compare(i, n), direction=LT
+}}
+ENTRY e {{
+  p = f32[16] parameter(0)
+  z = s32[] constant(0)
+  init = (s32[], f32[16]) tuple(z, {x0})
+  w = (s32[], f32[16]) while(init), condition=cond, body=body
+  ROOT out = f32[16] get-tuple-element(w), index=1
+}}"""
+
+
+def test_while_state_is_one_buffer_per_index() -> None:
+    # the init value dies at the loop: it becomes the loop state (XLA removes the copy)
+    m, a = alias(_LOOP.format(alias="", x0="n0").replace("  z = s32[] constant(0)",
+                                                         "  z = s32[] constant(0)\n  n0 = f32[16] negate(p)"))
+    body, cond, e = m.computations["body"], m.computations["cond"], m.entry
+    state = a.buffer_at(e["w"], (1,))
+    for inst, idx in [(e["init"], (1,)), (e["n0"], ()), (body.parameters[0], (1,)), (body["x2"], ()),
+                      (body.root, (1,)), (cond.parameters[0], (1,)), (e["out"], ())]:
+        assert a.buffer_at(inst, idx) is state
+    assert a.buffer_at(e["w"], (0,)) is a.buffer_at(body["i2"])
+    assert a.buffer_at(e["w"], (0,)) is not state
+    # the counter starts from a constant, which is read-only: the state is a copy
+    assert a.buffer_at(e["w"], (0,)) is not a.buffer_at(e["z"])
+
+
+def test_while_copies_an_undonated_parameter_and_takes_a_donated_one() -> None:
+    m, a = alias(_LOOP.format(alias="", x0="p"))
+    body, e = m.computations["body"], m.entry
+    state = a.buffer_at(e["w"], (1,))
+    assert a.buffer_at(e["p"]) is not state  # the caller's array must survive the loop
+    assert a.buffer_at(e["init"], (1,)) is a.buffer_at(e["p"])
+    for inst, idx in [(body.parameters[0], (1,)), (body["x2"], ()), (e["out"], ())]:
+        assert a.buffer_at(inst, idx) is state
+    m, a = alias(_LOOP.format(alias=", input_output_alias={ {}: (0, {}, may-alias) }", x0="p"))
+    assert a.buffer_at(m.entry["p"]) is a.buffer_at(m.entry["w"], (1,))
+
+
+_SLOTS = """
+HloModule m
+body {
+  s = (s32[], f32[16], f32[16], f32[16]) parameter(0)
+  i = s32[] get-tuple-element(s), index=0
+  x = f32[16] get-tuple-element(s), index=1
+  y = f32[16] get-tuple-element(s), index=2
+  k = f32[16] get-tuple-element(s), index=3
+  one = s32[] constant(1)
+  i2 = s32[] add(i, one)
+  x2 = f32[16] add(x, k)
+  y2 = f32[16] multiply(y, k)
+  ROOT t = (s32[], f32[16], f32[16], f32[16]) tuple(i2, x2, y2, k)
 }
 cond {
-  s = (s32[], f32[16]) parameter(0)
+  s = (s32[], f32[16], f32[16], f32[16]) parameter(0)
   i = s32[] get-tuple-element(s), index=0
   n = s32[] constant(4)
   ROOT lt = pred[] compare(i, n), direction=LT
@@ -54,17 +109,48 @@ cond {
 ENTRY e {
   p = f32[16] parameter(0)
   z = s32[] constant(0)
-  init = (s32[], f32[16]) tuple(z, p)
-  w = (s32[], f32[16]) while(init), condition=cond, body=body
-  ROOT out = f32[16] get-tuple-element(w), index=1
-}""")
-    body, cond, e = m.computations["body"], m.computations["cond"], m.entry
-    state = a.buffer_at(e["w"], (1,))
-    for inst, idx in [(e["init"], (1,)), (e["p"], ()), (body.parameters[0], (1,)), (body["x2"], ()),
-                      (body.root, (1,)), (cond.parameters[0], (1,)), (e["out"], ())]:
-        assert a.buffer_at(inst, idx) is state
-    assert a.buffer_at(e["w"], (0,)) is a.buffer_at(body["i2"])
-    assert a.buffer_at(e["w"], (0,)) is not state
+  c = f32[] constant(0)
+  zeros = f32[16] broadcast(c), dimensions={}
+  init = (s32[], f32[16], f32[16], f32[16]) tuple(z, zeros, zeros, p)
+  w = (s32[], f32[16], f32[16], f32[16]) while(init), condition=cond, body=body
+  a = f32[16] get-tuple-element(w), index=1
+  b = f32[16] get-tuple-element(w), index=2
+  ROOT r = f32[16] add(a, b)
+}"""
+
+
+def test_while_gives_each_slot_its_own_buffer_when_one_value_starts_several() -> None:
+    # one zeros array starts two accumulators (XLA: copy insertion copies the second): two
+    # buffers of 64 bytes, not one; the read-only weight k passes through in place
+    m, a = alias(_SLOTS)
+    body, e = m.computations["body"], m.entry
+    x, y = a.buffer_at(e["w"], (1,)), a.buffer_at(e["w"], (2,))
+    assert x is not y
+    assert {a.buffer_at(e["zeros"]).id} & {x.id, y.id} and len({x.id, y.id, a.buffer_at(e["zeros"]).id}) == 2
+    assert a.buffer_at(body["x2"]) is x and a.buffer_at(body["y2"]) is y
+    assert a.buffer_at(e["w"], (3,)) is a.buffer_at(e["p"]) is a.buffer_at(body["k"])
+    assert a.buffer_at(e["a"]) is x and a.buffer_at(e["b"]) is y
+
+
+def test_while_keeps_slots_apart_when_the_body_swaps_them() -> None:
+    # the body returns slot 2 in slot 1 and slot 1 in slot 2: both cannot be one buffer
+    text = _SLOTS.replace("tuple(i2, x2, y2, k)", "tuple(i2, y, x, k)") \
+        .replace("tuple(z, zeros, zeros, p)", "tuple(z, zeros, n1, p)") \
+        .replace("  c = f32[] constant(0)", "  c = f32[] constant(0)\n  n1 = f32[16] negate(p)")
+    m, a = alias(text)
+    e = m.entry
+    assert a.buffer_at(e["w"], (1,)) is not a.buffer_at(e["w"], (2,))
+    assert a.buffer_at(e["w"], (1,)) is not a.buffer_at(e["p"])
+
+
+def test_while_copies_an_init_value_read_after_the_loop() -> None:
+    text = _SLOTS.replace("ROOT r = f32[16] add(a, b)", "s2 = f32[16] add(a, b)\n  ROOT r = f32[16] add(s2, n1)") \
+        .replace("tuple(z, zeros, zeros, p)", "tuple(z, zeros, n1, p)") \
+        .replace("  c = f32[] constant(0)", "  c = f32[] constant(0)\n  n1 = f32[16] negate(p)")
+    m, a = alias(text)
+    e = m.entry
+    assert a.buffer_at(e["w"], (2,)) is not a.buffer_at(e["n1"])
+    assert a.buffer_at(e["w"], (1,)) is a.buffer_at(e["zeros"])  # zeros dies at the loop
 
 
 def test_copy_start_holds_destination_source_context() -> None:

@@ -65,9 +65,15 @@ def test_while_body_peak_shows_at_its_call_site() -> None:
     # the body's f32[1024] temporary (4096 B) is live inside the loop, i.e. at the while's step
     assert entry[w] >= 4096 + 64
     assert max(entry[:w]) < 4096
-    # loop state (p's buffer: f32[16]) lives from the start through the end
+    # the loop state is a copy of the undonated parameter p (XLA's copy insertion): it lives from
+    # the loop's first step (the condition's parameter, after p, z, init) through the end; p
+    # lives throughout on its own
     state = lr.aliasing.buffer_at(m.entry["w"], (1,))
-    assert (lr.start[state.id], lr.end[state.id]) == (0, lr.num_steps - 1)
+    param = lr.aliasing.buffer_at(m.entry["p"])
+    assert state is not param
+    assert lr.steps[3] is m.computations["cond"].parameters[0]
+    assert (lr.start[state.id], lr.end[state.id]) == (3, lr.num_steps - 1)
+    assert (lr.start[param.id], lr.end[param.id]) == (0, lr.num_steps - 1)
 
 
 def test_unrolled_repeats_the_body_by_trip_count() -> None:
