@@ -9,8 +9,11 @@ with the settings that reproduce how the module's compiler counts:
   inside output allocations when XLA puts them there, the larger of the HBM and VMEM heaps, no
   generated code; see :mod:`hloopt.passes.memory`);
 * any other scheduled module (XLA CPU/GPU output): the module's schedule, exact sizes;
-* a pre-optimization module: ``platform="tpu"`` models XLA's fusion of cheap ops and TPU tiling
-  (a prediction of the compiled peak without the code size); other platforms use text order.
+* a pre-optimization module: ``platform="tpu"`` inlines calls (XLA's CallInliner, as the
+  planner does), models XLA's fusion of cheap ops, TPU tiling and libtpu's placement of
+  temporaries inside output allocations, over a memory-aware list schedule: a prediction of
+  libtpu's ``peak_memory_in_bytes`` (its HBM heap; the on-chip VMEM heap that tiny models report
+  is not modeled); other platforms use text order.
 
 HLO files and dumps never import jax.
 """
@@ -84,9 +87,11 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
                 "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
                 "code_bytes": code_bytes, **plain}
     if platform == "tpu":
-        return {"kind": "tpu-predicted", "schedule": schedule or "module", "materialize": "tpu-fusion",
+        # libtpu's accounting as on a compiled module, on the fusion model's buffers, in a
+        # memory-aware order (XLA schedules a pre-optimization module; its text order is JAX's)
+        return {"kind": "tpu-predicted", "schedule": schedule or "list", "materialize": "tpu-fusion",
                 "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": False,
-                "code_bytes": code_bytes, **plain}
+                "code_bytes": code_bytes, "reuse_output_allocations": True, "on_chip_heap": False}
     return {"kind": "unoptimized", "schedule": schedule or "module", "materialize": "all",
             "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
             "code_bytes": code_bytes, **plain}
@@ -97,9 +102,14 @@ def profile_module(module: Module, *, platform: str | None = None, schedule: str
                    am: AnalysisManager | None = None) -> tuple[MemoryProfile, dict[str, Any]]:
     """Run PeakMemory on ``module`` with :func:`settings_for`'s settings."""
     s = settings_for(module, platform=platform, schedule=schedule, code_bytes=code_bytes)
-    am = am or AnalysisManager(module)
     if s["kind"] == "tpu-predicted":
+        from hloopt.passes.inline import inline_calls
+
+        inlined = inline_calls(module)  # XLA inlines calls before it assigns buffers (as the planner)
+        if inlined is not module:
+            module, am = inlined, None
         _apply_tpu_tiling(module)
+    am = am or AnalysisManager(module)
     live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"])
     prof = am.get(PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
                              static_allocations=s["static_allocations"], code_bytes=s["code_bytes"],

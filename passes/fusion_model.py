@@ -12,8 +12,9 @@ Three models, each checked against libtpu's compiled modules of the zoo (``fixtu
   tiled layout: of all choices of the two minor dimensions, the one with the fewest padded bytes,
   with tiles ``(h, 128)`` where ``h`` is the second-minor size rounded up to a power of two, at
   most 8 (``T(2,128)``, ``T(4,128)``, ``T(8,128)``) — times the packing of sub-32-bit types
-  (``(8,128)(2,1)`` for bf16); rank <= 1 arrays take ``T(128)``. Every HBM buffer is a multiple of
-  512 bytes. Measured: 3665 of the 3674 HBM array shapes in the compiled zoo modules have exactly
+  (``(8,128)(2,1)`` for bf16). Every HBM buffer is a multiple of
+  512 bytes; rank-1 arrays take ``T(n)`` with ``n`` the power of two that holds them, from 128 to
+  1024 elements (f32[768] is ``T(1024)``: 4 KiB). Measured: 3665 of the 3674 HBM array shapes in the compiled zoo modules have exactly
   this size; the 9 others are convolution activations whose feature dimension layout assignment
   keeps minor (``{3,0,2,1}``), which costs more padding.
 * **Shards** (:func:`propagate_shardings`): an SPMD module's per-device shape of a value is its
@@ -26,7 +27,9 @@ Three models, each checked against libtpu's compiled modules of the zoo (``fixtu
   its readers read its inputs instead) when it is a cheap elementwise or data-movement op that
   XLA's instruction fusion puts into its consumers: elementwise math, converts, broadcasts, iotas,
   constants, reshapes/bitcasts/transposes, slices, and the identity markers JAX emits
-  (``Sharding`` custom-calls, ``checkpoint_name``'s ``opt-barrier``-free names). It stays
+  (``Sharding`` custom-calls, ``checkpoint_name``'s ``opt-barrier``-free names), and the one-hot
+  scatter of ``take_along_axis``'s gradient (:func:`is_one_hot_scatter`), which XLA rewrites into
+  a compare/select. It stays
   materialized when it feeds loop state, a tuple or the root (XLA writes the last fused op there),
   unless it is a scalar or a constant. Reductions, dots, convolutions, gathers/scatters,
   dynamic-(update-)slices, sorts, loops and calls are fusion roots: they hold their result.
@@ -91,8 +94,9 @@ def tpu_compact_bytes(element_type: str, dims: tuple[int, ...] | list[int], *, a
         return 0
     ds = [max(d, 0) for d in dims]
     if len(ds) <= 1:
-        n = -(-(ds[0] if ds else 1) // 128) * 128
-        size = (n * bits + 7) // 8
+        n = ds[0] if ds else 1
+        tile = min(1024, max(128, _pow2_at_least(n)))  # T(128) .. T(1024)
+        size = (-(-n // tile) * tile * bits + 7) // 8
     else:
         pack = 32 // bits if bits < 32 else 1
         size = -1
@@ -327,13 +331,34 @@ def _is_identity_marker(inst: Instruction) -> bool:
     return inst.opcode == "custom-call" and inst.custom_call_target in _IDENTITY_CALLS
 
 
+def is_one_hot_scatter(inst: Instruction) -> bool:
+    """A scatter XLA turns into an elementwise compare/select: the gradient of ``take_along_axis``.
+
+    It scatters scalars (no update window) into a broadcast scalar along ONE dimension, every
+    other dimension a batching dimension: each slice along that dimension receives exactly one
+    update, so the result is ``select(iota == index, update, fill)``, elementwise, and fuses into
+    its readers like one (libtpu's compiled zoo has no such scatter and no buffer for it).
+    """
+    if inst.opcode != "scatter" or len(inst.operands) != 3 or not inst.shape.is_array:
+        return False
+    base = inst.operands[0]
+    if base.opcode != "broadcast" or not base.operands or base.operands[0].shape.dims:
+        return False
+    if inst.attr_ints("update_window_dims"):
+        return False
+    scattered = inst.attr_ints("scatter_dims_to_operand_dims")
+    batching = inst.attr_ints("input_batching_dims")
+    rank = len(inst.shape.dims)
+    return len(scattered) == 1 and sorted(list(scattered) + list(batching)) == list(range(rank))
+
+
 def fused_instructions(module: Module) -> set[Instruction]:
     """Instructions XLA fuses into all their readers (module docstring): they hold no buffer."""
     entry = module.entry
     out: set[Instruction] = set()
     for comp in module.computations.values():
         for inst in comp.instructions:
-            fusible = inst.opcode in FUSIBLE or _is_identity_marker(inst)
+            fusible = inst.opcode in FUSIBLE or _is_identity_marker(inst) or is_one_hot_scatter(inst)
             if not fusible or inst.shape.is_tuple or inst.is_root:
                 continue
             if comp is entry and any(u.is_root for u in inst.users):
@@ -400,5 +425,5 @@ class TpuFusion(Analysis[FusionPlan]):
                           self.alignment_bytes)
 
 
-__all__ = ["FUSIBLE", "FusionPlan", "Split", "TpuFusion", "fused_instructions", "parse_sharding",
+__all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "fused_instructions", "parse_sharding",
            "propagate_shardings", "shard_dims", "tpu_compact_bytes"]
