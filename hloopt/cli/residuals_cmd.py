@@ -17,7 +17,8 @@ from hloopt.units import format_bytes
               help="Platform a JAX TARGET is lowered for (pre-optimization HLO).")
 @click.option("--no-names", is_flag=True, help="Skip naming (no re-lowering of a JAX TARGET).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of residuals instead of a table.")
-def residuals(target: str, size: str | None, platform: str, no_names: bool, as_json: bool) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def residuals(target: str, size: str | None, platform: str, no_names: bool, as_json: bool, quiet: bool) -> None:
     """Residuals of TARGET: values the forward pass leaves for the backward pass.
 
     TARGET is an HLO file or XLA dump (no jax import; names unknown) or a JAX program
@@ -27,8 +28,11 @@ def residuals(target: str, size: str | None, platform: str, no_names: bool, as_j
     with user_errors():
         from hloopt.naming import residuals_of
         from hloopt.passes.residuals import describe
+        from hloopt.report.terminal import progress
 
-        result = residuals_of(target, size=size, platform=platform, names=not no_names)
+        with progress(f"finding residuals of {target}" + ("" if no_names else " (re-lowering to name them)"),
+                      quiet=quiet or as_json):
+            result = residuals_of(target, size=size, platform=platform, names=not no_names)
         rows = describe(result.residuals, peak_bytes=result.peak_bytes)
     if as_json:
         click.echo(json.dumps(rows, indent=2))

@@ -21,14 +21,19 @@ from hloopt.cli.params import user_errors
               help="Also compile deviceless through libtpu (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e) and check "
                    "XLA's peak against the plan's budget.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verification as JSON.")
-def verify(target: str, plan_file: str, compile_for: str | None, as_json: bool) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+def verify(target: str, plan_file: str, compile_for: str | None, as_json: bool, quiet: bool) -> None:
     """Re-lower TARGET with PLAN's policy and check XLA offloads exactly the planned residuals."""
     with user_errors():
         from hloopt.plan import Plan
         from hloopt.verify import verify as run_verify
 
+        from hloopt.report.terminal import progress
+
         plan = Plan.load(plan_file)
-        result = run_verify(target, plan, compile=compile_for)
+        label = "re-lowering with the plan's policy" + (f" and compiling for {compile_for}" if compile_for else "")
+        with progress(label, quiet=quiet or as_json):
+            result = run_verify(target, plan, compile=compile_for)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
     else:
