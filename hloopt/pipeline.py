@@ -694,9 +694,11 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
         if any(v.name == name and v.dtype == r.dtype and math.prod(v.per_layer_dims) == math.prod(r.per_layer_dims)
                for v in probe.values):
             names[r.inst.name] = name
+    # Residuals that are no marker's value (a scan's carried layer input) keep the probe's name.
     taken = set(names.values())
+    unmarked = {r.inst.name for r in probe.residuals if _name_marker(r.producer) is None}
     for inst_name, name in probed.items():
-        if inst_name not in names and name not in taken:
+        if inst_name in unmarked and inst_name not in names and name not in taken:
             names[inst_name] = name
     return names
 

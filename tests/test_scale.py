@@ -177,9 +177,6 @@ def _bytes_layers_by_name(outcome) -> dict[str, tuple[int, int]]:  # type: ignor
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "naming (since 63e17be) leaves scanned 'query_proj' unnamed and names it in 2 of the 4 unrolled "
-    "layers (524288 B); every other name agrees (test below)"))
 def test_scan_and_unrolled_hold_the_same_residual_bytes_per_name(both_forms) -> None:  # type: ignore[no-untyped-def]
     assert _bytes_layers_by_name(both_forms[True]) == _bytes_layers_by_name(both_forms[False])
 
