@@ -1,6 +1,7 @@
-"""The README's plan, held to the real TPU compiler (issue 8): plan llama small for tpu-v5e at a
-75% budget, compile the step with the emitted policy through libtpu, and check that XLA offloads
-exactly the plan, that its real peak fits the budget, and that the predicted peak is within 3%."""
+"""Plans held to the real TPU compiler (issue 8): plan a small zoo step for tpu-v5e (llama: the
+README's 75% budget), compile the step with the emitted policy through libtpu, and check that XLA
+offloads exactly the plan, that its real peak fits the budget, and that the predicted peak is
+within 3%."""
 
 from __future__ import annotations
 
@@ -12,18 +13,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.tpu,
               pytest.mark.skipif(not has_libtpu(), reason="needs libtpu (pip install 'hloopt[tpu]')")]
 
 
-def test_llama_small_plan_fits_and_predicts_libtpus_peak():
+@pytest.mark.parametrize("model, mode", [("llama", {"budget": "75%"}), ("gpt2", {"max_slowdown": 0.05})])
+def test_small_plan_fits_and_predicts_libtpus_peak(model, mode):
     from hloopt import pipeline
     from hloopt.devices import load_profile
     from hloopt.verify import verify
 
-    target = "fixtures/zoo/llama.py:small"
-    outcome = pipeline.plan(target, profile=load_profile("tpu-v5e"), budget="75%")
+    target = f"fixtures/zoo/{model}.py:small"
+    outcome = pipeline.plan(target, profile=load_profile("tpu-v5e"), **mode)
     plan = outcome.plan
-    assert plan.of("offload"), "a 75% budget must move something"
+    if "budget" in mode:
+        assert plan.of("offload"), "a 75% budget must move something"
     result = verify(target, plan, compile="tpu-v5e")
     assert result.ok, result.problems
     real = result.memory["peak_memory_in_bytes"]
-    assert real <= plan.budget.bytes
+    if plan.budget is not None:
+        assert real <= plan.budget.bytes
     predicted = plan.predicted.peak_bytes
+    # measured: llama -0.86%, gpt2 +1.21% (convnet small +12.5% and mlp small -7.4% are not
+    # there yet; see tests/test_plan_e2e.py)
     assert abs(predicted - real) / real <= 0.03, (predicted, real)
