@@ -165,15 +165,24 @@ def _recomputed_op(inst: Instruction) -> Instruction:
     ``get-tuple-element`` (0 s); an unrolled one's is checkpoint_name's ``reduce-precision``."""
     for _ in range(64):
         inst = _through_markers(inst)
-        if inst.opcode != "get-tuple-element" or not inst.operands:
+        element = _tuple_element(inst)
+        if element is None:
             return inst
-        src = inst.operands[0]
-        if src.opcode in _BARRIERS and src.operands and src.operands[0].opcode == "tuple":
-            src = src.operands[0]
-        if src.opcode != "tuple" or not 0 <= inst.tuple_index < len(src.operands):
-            return inst
-        inst = src.operands[inst.tuple_index]
+        inst = element
     return inst
+
+
+def _tuple_element(inst: Instruction) -> Instruction | None:
+    """For ``get-tuple-element`` of a ``tuple`` (or of an optimization barrier over one): the
+    element's own instruction; None otherwise."""
+    if inst.opcode != "get-tuple-element" or not inst.operands:
+        return None
+    src = inst.operands[0]
+    if src.opcode in _BARRIERS and src.operands and src.operands[0].opcode == "tuple":
+        src = src.operands[0]
+    if src.opcode != "tuple" or not 0 <= inst.tuple_index < len(src.operands):
+        return None
+    return src.operands[inst.tuple_index]
 
 
 def build_problem(an: Analyzed, profile: DeviceProfile, *,
@@ -374,14 +383,10 @@ def _name_marker(inst: Instruction) -> Instruction | None:
         if inst.opcode in ("copy", "bitcast", "reshape") and inst.operands:
             inst = inst.operands[0]
             continue
-        if inst.opcode != "get-tuple-element" or not inst.operands:
+        element = _tuple_element(inst)
+        if element is None:
             return None
-        src = inst.operands[0]
-        if src.opcode in _BARRIERS and src.operands and src.operands[0].opcode == "tuple":
-            src = src.operands[0]
-        if src.opcode != "tuple" or not 0 <= inst.tuple_index < len(src.operands):
-            return None
-        inst = src.operands[inst.tuple_index]
+        inst = element
     return None
 
 

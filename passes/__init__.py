@@ -38,8 +38,8 @@ class Analysis(Generic[R]):
 
     name: ClassVar[str] = ""
 
-    def run(self, module: Module, am: "AnalysisManager") -> R:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def run(self, module: Module, am: "AnalysisManager") -> R:  # pragma: no cover - every analysis overrides it
+        raise TypeError(f"analysis {type(self).__name__} defines no run()")
 
 
 class AnalysisManager:

@@ -29,7 +29,7 @@ CORPUS = fuzz.load_corpus(max_chars=8_000)
 TIME_BOUND_S = 2.0
 
 
-def _assert_clean(text: str) -> "fuzz.Outcome":
+def assert_clean(text: str) -> "fuzz.Outcome":
     out = fuzz.check_one(text, time_bound_s=TIME_BOUND_S)
     assert out.kind in ("accepted", "rejected"), f"{out.kind}: {out.detail}\n--- input ---\n{text[:2000]}"
     return out
@@ -40,7 +40,7 @@ def _assert_clean(text: str) -> "fuzz.Outcome":
 @given(st.integers(0, len(CORPUS) - 1), st.sampled_from(sorted(fuzz.MUTATORS)), st.integers(0, 2**32))
 def test_mutated_corpus_is_rejected_cleanly_or_round_trips(index: int, mutator: str, seed: int) -> None:
     text = fuzz.MUTATORS[mutator](CORPUS[index], random.Random(seed), CORPUS)
-    _assert_clean(text)
+    assert_clean(text)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True,
@@ -49,7 +49,7 @@ def test_mutated_corpus_is_rejected_cleanly_or_round_trips(index: int, mutator: 
 def test_arbitrary_text_inserted_anywhere(index: int, junk: str, where: int) -> None:
     base = CORPUS[index]
     at = where % (len(base) + 1)
-    _assert_clean(base[:at] + junk + base[at:])
+    assert_clean(base[:at] + junk + base[at:])
 
 
 @pytest.mark.parametrize("mutator", sorted(fuzz.MUTATORS))
@@ -60,7 +60,7 @@ def test_each_mutator_changes_its_input_and_some_are_rejected(mutator: str) -> N
     for i in range(12):
         base = CORPUS[(i * 37) % len(CORPUS)]
         text = fuzz.MUTATORS[mutator](base, r, CORPUS)
-        outcomes.append(_assert_clean(text).kind)
+        outcomes.append(assert_clean(text).kind)
     assert "rejected" in outcomes
 
 
@@ -73,7 +73,7 @@ def test_each_mutator_changes_its_input_and_some_are_rejected(mutator: str) -> N
     ("HloModule m\nENTRY e {\n  a = f32[] negate(a)\n  ROOT r = f32[] negate(a)\n}\n", "cycle"),
 ])
 def test_named_hazards(text: str, phrase: str | None) -> None:
-    out = _assert_clean(text)
+    out = assert_clean(text)
     if phrase is None:
         assert out.kind == "accepted"
     else:

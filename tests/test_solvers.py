@@ -70,7 +70,7 @@ def test_hand_built_needs_both():
     assert r.sim.step_time_s == pytest.approx(12e-3)
 
 
-def _milp_vs_heuristic(layers, load, frac):
+def check_milp_vs_heuristic(layers, load, frac):
     p = transformer_problem(layers, link_load=load, seed=layers)
     base = simulate(p, Decisions.all_device())
     floor = lower_bound_peak(p)
@@ -94,13 +94,13 @@ def _milp_vs_heuristic(layers, load, frac):
 @pytest.mark.parametrize("layers", [2, 3, 5, 8])
 @pytest.mark.parametrize("load", [2.0, 1.2])
 @pytest.mark.parametrize("frac", [0.7, 0.3])
-def test_chains_milp_vs_heuristic(layers, load, frac):
-    _milp_vs_heuristic(layers, load, frac)
+def test_chainscheck_milp_vs_heuristic(layers, load, frac):
+    check_milp_vs_heuristic(layers, load, frac)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layers", [16, 32, 64])
 @pytest.mark.parametrize("load", [2.0, 1.5, 1.0, 0.5])
 @pytest.mark.parametrize("frac", [0.5, 0.2])
-def test_long_chains_milp_vs_heuristic(layers, load, frac):
-    _milp_vs_heuristic(layers, load, frac)
+def test_long_chainscheck_milp_vs_heuristic(layers, load, frac):
+    check_milp_vs_heuristic(layers, load, frac)
