@@ -26,7 +26,7 @@ A buffer's live range is the closed interval [start, end] of steps:
 
 With ``materialize="tpu-fusion"`` (pre-optimization modules), instructions XLA will fuse into
 their consumers (elementwise chains, broadcasts, converts, reshapes...; see
-:func:`fused_away`) hold no buffer: their readers read the fused instruction's inputs instead,
+:mod:`hloopt.passes.fusion_model`) hold no buffer: their readers read the fused instruction's inputs instead,
 so the inputs live until the last reader of anything fused from them.
 
 Invariants: start <= end for every buffer; a buffer is live at every step between the definition
@@ -54,17 +54,6 @@ MATERIALIZE: tuple[str, ...] = ("all", "tpu-fusion")
 _FORWARDS = frozenset({"get-tuple-element", "tuple", "bitcast", "opt-barrier", "optimization-barrier",
                        "domain", "while", "conditional", "call"})
 
-#: elementwise and data-movement ops that XLA fuses into their consumers
-_FUSIBLE = frozenset({
-    "abs", "add", "and", "atan2", "broadcast", "cbrt", "ceil", "clamp", "compare", "complex",
-    "convert", "cos", "divide", "exp", "expm1", "floor", "imag", "iota", "is-finite", "log",
-    "log1p", "logistic", "maximum", "minimum", "multiply", "negate", "not", "or", "popcnt", "power",
-    "real", "reduce-precision", "remainder", "reshape", "round-nearest-afz", "round-nearest-even",
-    "rsqrt", "select", "shift-left", "shift-right-arithmetic", "shift-right-logical", "sign", "sin",
-    "slice", "sqrt", "subtract", "tan", "tanh", "transpose", "xor", "bitcast", "bitcast-convert",
-    "erf", "pad", "reverse", "constant", "stochastic-convert", "exponential", "exponential-minus-one",
-    "log-plus-one", "cosine", "sine", "count-leading-zeros",
-})
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,32 +285,6 @@ def storage_views(steps: list[Instruction]) -> frozenset[Instruction]:
     return frozenset(i for i in steps if i.opcode == "custom-call" and i.custom_call_target in _VIEW_TARGETS)
 
 
-def fused_away(aliasing: Aliasing, time: dict[Instruction, int]) -> set[Instruction]:
-    """Instructions of a pre-optimization module that XLA would fuse into all their readers.
-
-    An instruction is fused away when it is a cheap elementwise/data-movement op (not a module
-    output, not loop state) and none of its readers is a control-flow instruction, a tuple or the
-    root, which need a materialized buffer. A reshape/transpose/broadcast of an entry parameter
-    reads the parameter in place. Scalars and constants are always fused.
-    """
-    entry = aliasing.module.entry
-    out: set[Instruction] = set()
-    for inst in time:
-        if inst.opcode not in _FUSIBLE or inst.shape.is_tuple or inst.is_root:
-            continue
-        if any(u.opcode in CONTROL_FLOW or u.opcode == "tuple" or u.is_root or u.opcode == "parameter"
-               for u in inst.users):
-            # Feeding loop state or the output: XLA materializes the last fused op there, unless
-            # it is a scalar or a constant.
-            if inst.shape.num_elements > 1 and inst.opcode != "constant":
-                continue
-        if entry is not None and inst.parent is not entry and inst.parent is not None \
-                and inst.parent.root is inst:
-            continue
-        out.add(inst)
-    return out
-
-
 def tpu_tiled_bytes(shape: Shape) -> int:
     """Bytes of an array in TPU's default tiled layout: (8, 128) tiles on the two minor dims.
 
@@ -347,5 +310,5 @@ def tpu_tiled_bytes(shape: Shape) -> int:
     return max(512, (n * bits + 7) // 8)
 
 
-__all__ = ["LiveRange", "LiveRanges", "Liveness", "MATERIALIZE", "fused_away", "storage_views", "tpu_tiled_bytes",
+__all__ = ["LiveRange", "LiveRanges", "Liveness", "MATERIALIZE", "storage_views", "tpu_tiled_bytes",
            "trip_count"]
