@@ -91,7 +91,7 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
         # memory-aware order (XLA schedules a pre-optimization module; its text order is JAX's)
         return {"kind": "tpu-predicted", "schedule": schedule or "list", "materialize": "tpu-fusion",
                 "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": False,
-                "code_bytes": code_bytes, "reuse_output_allocations": True, "on_chip_heap": False}
+                "code_bytes": code_bytes, "reuse_output_allocations": True, "on_chip_heap": True}  # pre-opt: predicted MSA (passes/memory.py)
     return {"kind": "unoptimized", "schedule": schedule or "module", "materialize": "all",
             "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
             "code_bytes": code_bytes, **plain}

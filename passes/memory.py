@@ -12,8 +12,8 @@ How XLA counts, and the switches that reproduce it (measured on the zoo, see tes
   temporaries heap, found allocation by allocation in libtpu's buffer-assignment dumps (zoo, tiny
   and small): XLA's memory viewer adds the allocations with an indefinite lifetime to the peak of
   a heap-simulator trace, and libtpu reports the device (HBM) heap or the on-chip S(1) (VMEM)
-  heap, whichever peaks higher (``on_chip_heap``): for the tiny zoo models it is VMEM, for the
-  ``small`` ones HBM. Generated code and thread-local scratch are not in it. Outputs get their
+  heap, whichever peaks higher (``on_chip_heap``): for the tiny zoo models it is VMEM; at size
+  ``small`` VMEM for mlp and gpt2, HBM for convnet and llama. Generated code and thread-local scratch are not in it. Outputs get their
   own allocations (live the whole program: ``outputs_whole_program``), every HBM buffer is
   512-byte aligned (``alignment_bytes`` in Liveness), constants are static allocations
   (``static_allocations``), and XLA's buffer assigner puts temporaries inside output
@@ -21,6 +21,23 @@ How XLA counts, and the switches that reproduce it (measured on the zoo, see tes
   :func:`output_allocation_reuse`), which costs them nothing. ``code_bytes`` can still add
   the program's code (``generated_code_size_in_bytes``) to every step when a caller wants the
   resident total.
+
+Memory-space assignment, predicted (``on_chip_heap`` on a module without ``S(1)`` buffers, i.e.
+pre-optimization; ``on_chip_bytes`` the VMEM libtpu's memory-space assignment (MSA) may fill):
+MSA moves temporaries into VMEM and prefetches the HBM operands (parameters, outputs) of the
+instruction it runs. Per step ``t``, with ``mov(t)`` the live temporaries of at most
+``on_chip_bytes`` each, ``pre(t)`` the parameter and output bytes the step reads or writes
+(through the producers fused into it) and ``hbm(t)`` everything else:
+
+    HBM heap(t)   = hbm(t) + max(0, mov(t) - on_chip_bytes)        (what does not fit spills)
+    VMEM heap(t)  = min(on_chip_bytes, mov(t) + pre(t))
+    timeline(t)   = fixed + max(HBM heap(t), VMEM heap(t))
+
+so the peak is fixed + max(HBM heap, VMEM heap), libtpu's accounting. Measured against libtpu
+0.0.42 (v5e; tests/test_preopt_accuracy.py): at size small, the VMEM heap libtpu reports is
+101-112 MiB whenever the step's working set exceeds VMEM (mlp, gpt2; convnet's is exactly
+112 MiB); the tiny models' VMEM heaps are predicted within 10% only for mlp and sharded (the
+others hold conv activations in padded feature-minor layouts and more prefetched copies).
 
 Categories of a buffer (heuristics from the entry's structure and ``op_name`` metadata):
 ``parameters`` / ``optimizer state`` / ``inputs`` (entry parameters, by name: ``opt_state``,
@@ -136,6 +153,10 @@ class PeakMemory(Analysis[MemoryProfile]):
     #: on-chip S(1) (VMEM) heap, whichever peaks higher; count the S(1) temporaries instead of the
     #: device ones when theirs is the higher peak
     on_chip_heap: bool = False
+    #: VMEM that memory-space assignment fills (bytes); used to predict the VMEM heap of a
+    #: pre-optimization module (module docstring). v5e: 128 MiB per TensorCore less the 16 MiB
+    #: scoped VMEM limit; the largest VMEM heap in libtpu's compiled small zoo is exactly this
+    on_chip_bytes: int = 112 * 2**20
 
     def run(self, module: Module, am: AnalysisManager) -> MemoryProfile:
         lr = am.get(self.liveness)
@@ -159,7 +180,13 @@ class PeakMemory(Analysis[MemoryProfile]):
                 if start[b.id] >= 0 and b.output_indices:
                     start[b.id], end[b.id] = 0, last
         spaces = (0,)
-        if self.on_chip_heap:
+        predicted_msa = self.on_chip_heap and self.on_chip_bytes > 0 and \
+            not any(b.memory_space == ON_CHIP_MEMORY_SPACE for b in lr.buffers)
+        movable: set[int] = set()
+        if predicted_msa:
+            movable = {b.id for b in lr.buffers if start[b.id] >= 0 and b.memory_space == 0 and b.parameter < 0
+                       and not b.output_indices and 0 < sizes[b.id] <= self.on_chip_bytes}
+        elif self.on_chip_heap:
             temp = [b for b in lr.buffers if start[b.id] >= 0 and b.parameter < 0 and not b.output_indices]
             device_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp if b.memory_space == 0])
             chip_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp
@@ -185,7 +212,14 @@ class PeakMemory(Analysis[MemoryProfile]):
             else:
                 start[b.id] = -1  # not in the timeline
         base = static + self.code_bytes
-        timeline = [base + x for x in accumulate(diff[:-1])]
+        if predicted_msa:
+            for bid in movable:  # counted by the MSA model, not as HBM bytes
+                diff[start[bid]] -= sizes[bid]
+                diff[end[bid] + 1] += sizes[bid]
+            timeline = msa_timeline(lr, start, end, movable, [base + x for x in accumulate(diff[:-1])],
+                                    capacity_bytes=self.on_chip_bytes, base_bytes=base)
+        else:
+            timeline = [base + x for x in accumulate(diff[:-1])]
         host_timeline = list(accumulate(hdiff[:-1]))
         peak = max(timeline) if timeline else base
         peak_step = timeline.index(peak) if timeline else 0
@@ -201,6 +235,8 @@ class PeakMemory(Analysis[MemoryProfile]):
                 by_cat[cats[b.id]] += sizes[b.id]
                 live.append(b)
         by_cat["static"] += base
+        if predicted_msa and timeline:
+            _settle(by_cat, timeline[peak_step] - sum(by_cat.values()))
         live.sort(key=lambda b: (-sizes[b.id], b.id))
         top = [_info(module, b, sizes[b.id], cats[b.id], start[b.id], end[b.id]) for b in live[: self.top]]
         return MemoryProfile(
@@ -210,6 +246,80 @@ class PeakMemory(Analysis[MemoryProfile]):
             categories={k: v for k, v in by_cat.items() if v}, top=top, category_of=cats,
             counted_start=start, counted_end=end, absorbed=frozenset(absorbed),
         )
+
+
+def msa_timeline(lr: LiveRanges, start: list[int], end: list[int], movable: set[int], hbm_bytes: list[int], *,
+                 capacity_bytes: int, base_bytes: int = 0) -> list[int]:
+    """Per step: libtpu's accounted bytes under the memory-space assignment model (module docstring).
+
+    ``hbm_bytes`` is the timeline without the ``movable`` temporaries (``start``/``end`` are the
+    counted ranges), ``base_bytes`` its constant part (static allocations, code); parameters and
+    outputs are in it, and on the VMEM side too.
+    """
+    n = len(lr.steps)
+    sizes = lr.size_bytes
+    mdiff = [0] * (n + 1)
+    fdiff = [0] * (n + 1)
+    for b in lr.buffers:
+        s = start[b.id]
+        if s < 0 or b.memory_space != 0:
+            continue
+        if b.id in movable:
+            mdiff[s] += sizes[b.id]
+            mdiff[end[b.id] + 1] -= sizes[b.id]
+        elif b.parameter >= 0 or b.output_indices:
+            fdiff[s] += sizes[b.id]
+            fdiff[end[b.id] + 1] -= sizes[b.id]
+    mov = list(accumulate(mdiff[:-1]))
+    fixed = list(accumulate(fdiff[:-1]))
+    buffers = lr.buffers
+    at = lr.aliasing.position_buffers
+    held = [lr.start[b.id] >= 0 for b in buffers]  # materialized (not fused away, not a view)
+
+    def hbm_operands(inst: Instruction) -> set[int]:
+        # what the step reads from parameters and outputs, through the producers fused into it
+        out: set[int] = set()
+        seen: set[Instruction] = set()
+        todo = list(inst.operands)
+        while todo:
+            o = todo.pop()
+            if o in seen:
+                continue
+            seen.add(o)
+            bids = at.get(o, ())
+            if o.opcode == "parameter" or any(held[b] for b in bids):
+                out.update(b for b in bids if buffers[b].parameter >= 0 or buffers[b].output_indices)
+            else:
+                todo.extend(o.operands)
+        out.update(b for b in at.get(inst, ()) if buffers[b].output_indices)
+        return out
+
+    out = []
+    for t, inst in enumerate(lr.steps):
+        hbm = hbm_bytes[t] + max(0, mov[t] - capacity_bytes)
+        pre = 0 if inst.opcode in _NO_PREFETCH else sum(sizes[b] for b in hbm_operands(inst))
+        vmem = base_bytes + fixed[t] + min(capacity_bytes, mov[t] + pre)
+        out.append(max(hbm, vmem))
+    return out
+
+
+#: steps that move no data through the core (MSA prefetches nothing for them)
+_NO_PREFETCH = frozenset({"while", "conditional", "call", "tuple", "get-tuple-element", "parameter",
+                          "constant", "opt-barrier", "optimization-barrier"})
+
+
+def _settle(by_cat: dict[str, int], delta: int) -> None:
+    """Make the categories at the peak add up to the modeled peak: VMEM/spill bytes are
+    temporaries; bytes MSA took out of HBM come off temporaries first, then activations."""
+    if delta >= 0:
+        by_cat["temporaries"] += delta
+        return
+    for k in ("temporaries", "activations", "gradients"):
+        take = min(by_cat[k], -delta)
+        by_cat[k] -= take
+        delta += take
+        if not delta:
+            return
 
 
 def _is_constant(b: Buffer) -> bool:
@@ -351,4 +461,4 @@ def _info(module: Module, b: Buffer, size: int, cat: str, start: int, end: int) 
 
 
 __all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "ON_CHIP_MEMORY_SPACE", "PeakMemory", "categorize",
-           "output_allocation_reuse"]
+           "msa_timeline", "output_allocation_reuse"]

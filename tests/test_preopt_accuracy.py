@@ -4,10 +4,10 @@ Truth: libtpu 0.0.42's ``memory_analysis()`` for v5e: the tiny zoo snapshots (``
 + ``.json``) and the ``small`` models (``fixtures/hlo/zoo/dumps/small.tpu-v5e.json``). libtpu's
 ``peak_memory_in_bytes`` is arguments + outputs + constants + the peak of ONE temporaries heap,
 HBM or on-chip VMEM (``S(1)``), whichever peaks higher; generated code is not in it. The
-prediction runs on ``<m>.tpu.hlo`` (what ``hloopt plan`` sees) and models the HBM heap, which is
-what libtpu reports for real models (the small ones); the tiny models report their VMEM heap, which
-memory-space assignment fills and the model does not predict: their misses are strict xfails with
-the measured error.
+prediction runs on ``<m>.tpu.hlo`` (what ``hloopt plan`` sees) and models both heaps
+(memory-space assignment, :mod:`hloopt.passes.memory`): at size small libtpu reports the VMEM
+heap for mlp and gpt2, the HBM heap for convnet and llama; the tiny models all report VMEM. Misses
+are strict xfails with the measured error.
 """
 
 from __future__ import annotations
@@ -27,10 +27,12 @@ ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
 STEMS = [m + v for m in ("mlp", "convnet", "gpt2", "llama", "sharded") for v in ("", ".offload")]
 
 #: measured error of the predicted peak vs libtpu's peak (libtpu 0.0.42, jax 0.10.2), > 10%:
-#: the tiny models, whose reported heap is VMEM (``S(1)``), not modeled
+#: tiny models whose VMEM heap holds more than the model's temporaries + prefetched operands
+#: (convnet: conv activations in padded feature-minor layouts; gpt2/llama: more prefetched
+#: copies at once), and sharded.offload's host-offload copies (HBM side over-counted)
 PEAK_MISSES = {
-    "mlp": -0.300, "mlp.offload": -0.314, "convnet": -0.527, "convnet.offload": -0.459,
-    "gpt2": -0.203, "gpt2.offload": -0.235, "llama": -0.245, "llama.offload": -0.300,
+    "convnet": -0.491, "convnet.offload": -0.417,
+    "gpt2": -0.175, "gpt2.offload": -0.234, "llama": -0.245, "llama.offload": -0.300,
     "sharded.offload": +0.540,
 }
 
@@ -139,6 +141,39 @@ def test_compact_layout_matches_compiled_hbm_shapes() -> None:
     assert total > 3000 and miss <= total // 100
 
 
+_MSA_MODULE = """
+HloModule m
+ENTRY e {
+  p = f32[128,128] parameter(0)
+  a = f32[128,128] dot(p, p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  b = f32[128,128] dot(a, p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT c = f32[128,128] dot(a, b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}"""
+
+
+@pytest.mark.parametrize("on_chip_bytes, heap_bytes", [
+    # everything fits VMEM: at b, temporaries a + b (128 KiB) and the prefetched parameter (64 KiB)
+    (2**30, 3 * 65536),
+    # 96 KiB of VMEM: a + b spill 32 KiB to HBM; the VMEM heap is full (96 KiB) and larger
+    (98304, 98304),
+    # 32 KiB: no temporary fits, both stay in HBM (128 KiB); VMEM holds only prefetches (32 KiB)
+    (32768, 2 * 65536),
+])
+def test_memory_space_assignment_model_hand_computed(on_chip_bytes: int, heap_bytes: int) -> None:
+    """peak = arguments + outputs + max(HBM heap, VMEM heap) (passes/memory.py's docstring)."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.passes.liveness import Liveness
+    from hloopt.passes.memory import PeakMemory
+
+    mod = parse_module(_MSA_MODULE)
+    prof = AnalysisManager(mod).get(PeakMemory(
+        liveness=Liveness(materialize="tpu-fusion", alignment_bytes=512), outputs_whole_program=True,
+        on_chip_heap=True, on_chip_bytes=on_chip_bytes))
+    assert prof.argument_bytes == prof.output_bytes == 65536
+    assert prof.peak_bytes == 2 * 65536 + heap_bytes
+    assert sum(prof.categories.values()) == prof.peak_bytes
+
+
 def _xfail(stem: str):  # type: ignore[no-untyped-def]
     if stem in PEAK_MISSES:
         return pytest.param(stem, marks=pytest.mark.xfail(
@@ -158,10 +193,17 @@ def test_predicted_peak_within_10_percent_of_libtpu(stem: str) -> None:
 SMALL = {m: v["memory"] for m, v in json.loads((ZOO / "dumps" / "small.tpu-v5e.json").read_text())["models"].items()}
 
 
+#: measured at size small, > 3%: convnet (XLA stores the next conv's bf16 input instead of the
+#: f32 activation and recomputes batch norm + relu in the backward pass; not modeled)
+SMALL_MISSES = {"convnet": +0.101}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", sorted(SMALL))
-def test_small_models_predicted_peak_within_5_percent(model: str) -> None:
-    """Lowered here (no compile); XLA's numbers come from the checked-in JSON."""
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xfail(
+    strict=True, reason=f"measured {SMALL_MISSES[m]:+.1%}")) if m in SMALL_MISSES else m for m in sorted(SMALL)])
+def test_small_models_predicted_peak_within_3_percent(model: str) -> None:
+    """Lowered here (no compile); XLA's numbers come from the checked-in JSON. Measured: mlp
+    +0.75% (VMEM heap), gpt2 +1.20% (VMEM), llama -0.00% (HBM)."""
     from hloopt.lowering import lower
     from hloopt.targets import resolve
 
@@ -170,7 +212,7 @@ def test_small_models_predicted_peak_within_5_percent(model: str) -> None:
     report = analyze(parse_module_text(lowered.hlo_text), platform="tpu")
     assert report.profile.argument_bytes == xla["argument_size_in_bytes"]
     assert report.profile.output_bytes == pytest.approx(xla["output_size_in_bytes"], abs=2048)
-    assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=0.05)
+    assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=0.03)
 
 
 def parse_module_text(text: str):  # type: ignore[no-untyped-def]
