@@ -99,6 +99,10 @@ class Shape:
     layout: Layout | None = None
     #: For tuples: the element shapes (``element_type == "tuple"``).
     tuple_shapes: tuple["Shape", ...] = ()
+    # Derived sizes, computed on first use: a shape is immutable and shared by every instruction
+    # with the same shape text, and the analyses ask for its size hundreds of thousands of times.
+    _num_elements: int = field(default=-1, init=False, repr=False, compare=False)
+    _byte_size: int = field(default=-1, init=False, repr=False, compare=False)
 
     # -- kinds --------------------------------------------------------------------------------
     @property
@@ -115,7 +119,11 @@ class Shape:
 
     @property
     def num_elements(self) -> int:
-        return math.prod(max(d, 0) for d in self.dims)
+        n = self._num_elements
+        if n < 0:
+            n = math.prod(max(d, 0) for d in self.dims)
+            object.__setattr__(self, "_num_elements", n)
+        return n
 
     @property
     def memory_space(self) -> int:
@@ -129,11 +137,16 @@ class Shape:
     @property
     def byte_size(self) -> int:
         """Bytes of this buffer alone (for a tuple: its index table, one pointer per element)."""
-        if self.element_type == "tuple":
-            return 8 * len(self.tuple_shapes)
-        if self.element_type in ("token", "opaque"):
-            return 0
-        return _array_bytes(self)
+        n = self._byte_size
+        if n < 0:
+            if self.element_type == "tuple":
+                n = 8 * len(self.tuple_shapes)
+            elif self.element_type in ("token", "opaque"):
+                n = 0
+            else:
+                n = _array_bytes(self)
+            object.__setattr__(self, "_byte_size", n)
+        return n
 
     @property
     def total_byte_size(self) -> int:
