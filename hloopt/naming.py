@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,10 @@ class NameSite:
     name: str
     file: str
     line: int
+    #: the named value is an input of the enclosing ``jax.checkpoint`` (through identity ops such
+    #: as sharding constraints): not saving it makes JAX save that input instead, the same bytes,
+    #: so rematerializing it frees nothing
+    of_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,24 @@ class NameProbe:
         return dict(out)
 
 
+class ResidualNames(dict[str, str]):
+    """``{instruction name: checkpoint_name}`` for a module's residuals, plus the names that are
+    a ``jax.checkpoint``'s own input (:attr:`NameSite.of_input` at every site): policies can save
+    or offload those, but not saving them makes JAX save the same input, so there is no remat."""
+
+    def __init__(self, names: Mapping[str, str] = (), *, checkpoint_inputs: Iterable[str] = ()) -> None:
+        super().__init__(names)
+        self.checkpoint_inputs = frozenset(checkpoint_inputs)
+
+
+def input_names(sites: Iterable[NameSite]) -> frozenset[str]:
+    """Names every one of whose sites names a checkpoint's input."""
+    by_name: dict[str, bool] = {}
+    for s in sites:
+        by_name[s.name] = by_name.get(s.name, True) and s.of_input
+    return frozenset(n for n, v in by_name.items() if v)
+
+
 def checkpoint_names(target: Any) -> list[NameSite]:
     """Every checkpoint_name call site in ``target``'s step (a :class:`hloopt.targets.Target`)."""
     import jax
@@ -87,25 +109,47 @@ def checkpoint_names(target: Any) -> list[NameSite]:
 
     _check_jax_target(target)
     closed = jax.make_jaxpr(target.step_fn)(*target.args, **dict(target.kwargs))
-    out: list[NameSite] = []
-    seen: set[tuple[str, str, int]] = set()
+    sites: dict[tuple[str, str, int], bool | None] = {}
 
-    def walk(jaxpr: Any) -> None:
+    def walk(jaxpr: Any, inputs: set[Any] | None) -> None:
+        # inputs: the enclosing checkpoint body's inputs (and their identities); None outside one
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "name":
+            name = eqn.primitive.name
+            passes_input = inputs is not None and bool(eqn.invars) and _is_var_in(eqn.invars[0], inputs)
+            if name == "name":
                 frame = source_info_util.user_frame(eqn.source_info.traceback)
                 key = (eqn.params["name"], frame.file_name if frame else "", frame.start_line if frame else 0)
-                if key not in seen:
-                    seen.add(key)
-                    out.append(NameSite(*key))
+                vote = sites.get(key)
+                # Only the copies inside a checkpoint decide (differentiation also leaves the
+                # primal computation outside it).
+                sites[key] = vote if inputs is None else (passes_input if vote is None else vote and passes_input)
+            if passes_input and name in _IDENTITY_PRIMITIVES:
+                assert inputs is not None
+                inputs.update(eqn.outvars)
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (list, tuple)) else (value,):
                     inner = getattr(sub, "jaxpr", sub)
                     if hasattr(inner, "eqns"):
-                        walk(inner)
+                        # A checkpoint's body starts from its own inputs; inside any other body
+                        # nothing is known to be a checkpoint's input.
+                        walk(inner, set(inner.invars) if name in _CHECKPOINT_PRIMITIVES
+                             else (None if inputs is None else set()))
 
-    walk(closed.jaxpr)
-    return out
+    walk(closed.jaxpr, None)
+    return [NameSite(n, f, line, bool(of_input)) for (n, f, line), of_input in sites.items()]
+
+
+#: jaxpr primitives of ``jax.checkpoint`` (``remat2`` in jax 0.4-0.10, ``checkpoint`` in newer)
+_CHECKPOINT_PRIMITIVES = frozenset({"remat2", "checkpoint", "remat"})
+#: primitives whose output is their first input's value (same bytes)
+_IDENTITY_PRIMITIVES = frozenset({"name", "sharding_constraint", "copy", "copy_p", "mesh_cast", "reshard"})
+
+
+def _is_var_in(v: Any, inputs: set[Any]) -> bool:
+    try:
+        return v in inputs
+    except TypeError:  # a literal
+        return False
 
 
 def offload_all_policy(names: Sequence[str]) -> Any:
@@ -309,5 +353,5 @@ def jax_bytes_by_name(saved: Iterable[tuple[Any, str]]) -> dict[str, int]:
     return dict(out)
 
 
-__all__ = ["NameProbe", "NameSite", "NamedValue", "TargetResiduals", "residuals_of", "checkpoint_names", "jax_bytes_by_name", "jax_saved_residuals",
+__all__ = ["NameProbe", "NameSite", "NamedValue", "ResidualNames", "input_names", "TargetResiduals", "residuals_of", "checkpoint_names", "jax_bytes_by_name", "jax_saved_residuals",
            "loss_function", "lower_module", "name_residuals", "offload_all_policy"]

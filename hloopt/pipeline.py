@@ -75,6 +75,8 @@ class Analyzed:
     residuals: Any
     ranges: Any
     cost: Any
+    #: checkpoint_names that name a checkpoint's own input (hloopt.naming.ResidualNames): no remat
+    checkpoint_inputs: frozenset[str] = frozenset()
 
     @property
     def peak_bytes(self) -> int:
@@ -105,7 +107,8 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     residuals = find_residuals(module)
     if names:
         residuals = residuals.with_names(dict(names))
-    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost)
+    inputs = getattr(names, "checkpoint_inputs", frozenset())
+    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,9 +261,11 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         movable = any(_under_checkpoint(r) for r in rs) and (
             bool(r0.name) or policy_selectable(_selector_primitive(r0)))
         allowed = frozenset({Action.DEVICE, Action.OFFLOAD, Action.REMAT}) if movable else frozenset({Action.DEVICE})
-        if movable and all(_is_input(_recomputed_op(r.producer)) for r in rs):
-            # Read straight from the loop state or an argument (a scan's carry): nothing in the
-            # checkpointed body computes it, so not saving it cannot mean recomputing it.
+        if movable and (all(_is_input(_recomputed_op(r.producer)) for r in rs)
+                        or r0.name in an.checkpoint_inputs):
+            # Read straight from the loop state or an argument (a scan's carry), or the name of
+            # a checkpoint's own input: not saving it makes JAX save that input, the same bytes,
+            # so there is no recomputation to choose.
             allowed = allowed - {Action.REMAT}
         name = r0.name
         selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
@@ -664,9 +669,10 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
     return dataclasses.replace(problem, candidates=cands, notes=notes)
 
 
-def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None) -> dict[str, str]:
-    """``{instruction name: checkpoint_name}`` for the residuals of ``module`` (see hloopt.naming)."""
-    from hloopt.naming import name_residuals
+def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None) -> Any:
+    """``{instruction name: checkpoint_name}`` for the residuals of ``module`` (see hloopt.naming),
+    as a :class:`hloopt.naming.ResidualNames` that also knows the checkpoints' input names."""
+    from hloopt.naming import ResidualNames, input_names, name_residuals
     from hloopt.passes.residuals import find_residuals
 
     from hloopt.passes.residuals import LIBRARY_PATHS
@@ -705,7 +711,7 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     for inst_name, name in probed.items():
         if inst_name in unmarked and inst_name not in names and name not in taken:
             names[inst_name] = name
-    return names
+    return ResidualNames(names, checkpoint_inputs=input_names(probe.sites))
 
 
 def iter_steps(problem: Problem) -> Iterator[tuple[int, Step]]:

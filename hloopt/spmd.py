@@ -30,11 +30,14 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hloopt.devices import DeviceProfile
 from hloopt.errors import UserError
 from hloopt.ir import Module
+
+if TYPE_CHECKING:
+    from hloopt.naming import ResidualNames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +97,19 @@ def per_device(target: Any, *, compile: str = "cpu", platform: str = "tpu", poli
 
 
 def name_per_device(target: Any, module: Module, global_module: Module, *,
-                    platform: str = "tpu") -> dict[str, str]:
+                    platform: str = "tpu") -> ResidualNames:
     """``{per-device instruction name: checkpoint_name}`` (see the module docstring)."""
-    from hloopt.naming import name_residuals
+    from hloopt.naming import ResidualNames, input_names, name_residuals
     from hloopt.passes.residuals import find_residuals
 
-    glob = name_residuals(target, baseline=find_residuals(global_module), platform=platform).residuals
+    probe = name_residuals(target, baseline=find_residuals(global_module), platform=platform)
+    glob = probe.residuals
     if module is global_module:
-        return {r.inst.name: r.name for r in glob if r.name}
-    return match_names([(r.name, r) for r in glob if r.name], list(find_residuals(module)),
-                       num_partitions=max(module.num_partitions, 1))
+        mapping = {r.inst.name: r.name for r in glob if r.name}
+    else:
+        mapping = match_names([(r.name, r) for r in glob if r.name], list(find_residuals(module)),
+                              num_partitions=max(module.num_partitions, 1))
+    return ResidualNames(mapping, checkpoint_inputs=input_names(probe.sites))
 
 
 def shard_ratio(local: tuple[int, ...], global_: tuple[int, ...], *, max_ratio: int) -> int | None:
@@ -172,7 +178,7 @@ def plan_per_device(target: Any, *, profile: DeviceProfile, budget: str | None =
         pd = per_device(tgt, compile=compile, platform=platform)
     clock["lower_s"], clock["naming_s"] = pd.lower_s, pd.naming_s
     t0 = time.perf_counter()
-    an = analyze_module(pd.module, profile, source=pd.source, names=dict(pd.names))
+    an = analyze_module(pd.module, profile, source=pd.source, names=pd.names)
     problem, _ = build_problem(an, profile)
     clock["analyze_s"] = time.perf_counter() - t0
     if not problem.candidates:

@@ -92,3 +92,40 @@ def test_naming_an_hlo_target_is_a_user_error(tmp_path: Path) -> None:
     path.write_text("HloModule m\n\nENTRY e {\n  ROOT c = f32[] constant(1)\n}\n")
     with pytest.raises(UserError, match="needs a JAX TARGET"):
         name_residuals(resolve(str(path)))
+
+
+def _saved(model: str, kwargs: dict, names: list[str]) -> list:
+    import jax
+
+    from hloopt.naming import jax_saved_residuals
+
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    return jax_saved_residuals(resolve(f"fixtures/zoo/{model}.py:tiny", factory_kwargs={**kwargs, "policy": policy}))
+
+
+def _bytes(saved: list) -> int:
+    return sum(int(a.size) * a.dtype.itemsize for a, _ in saved)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["llama", "gpt2", "sharded"])
+def test_checkpoint_input_names_are_those_whose_remat_saves_nothing(model: str) -> None:
+    """Truth: JAX's saved_residuals with every name saved vs all but one. A saved name whose
+    dropping saves no bytes is a checkpoint's own input (JAX then saves the input instead), and
+    only those are :attr:`NameSite.of_input` at every site. JAX names scan residuals only as
+    ``output of scan``, so the truth comes from the unrolled form (``scan_layers=False``: same
+    math and names) and holds for the scanned one too."""
+    from hloopt.naming import checkpoint_names, input_names, jax_bytes_by_name
+
+    kwargs = {} if model == "gpt2" else {"scan_layers": False}
+    sites = checkpoint_names(resolve(f"fixtures/zoo/{model}.py:tiny", factory_kwargs=kwargs))
+    if model != "gpt2":
+        scanned = checkpoint_names(resolve(f"fixtures/zoo/{model}.py:tiny", factory_kwargs={"scan_layers": True}))
+        assert input_names(scanned) == input_names(sites)
+    names = sorted({s.name for s in sites})
+    everything = _saved(model, kwargs, names)
+    saved_names = set(jax_bytes_by_name(everything))  # mlpwo (llama) is never a residual
+    frees_nothing = {n for n in saved_names
+                     if _bytes(_saved(model, kwargs, [m for m in names if m != n])) == _bytes(everything)}
+    assert input_names(sites) == frees_nothing
+    assert frees_nothing == {"decoder_layer_input"}

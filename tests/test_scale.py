@@ -194,11 +194,6 @@ def test_scan_and_unrolled_agree_on_every_name_both_find(both_forms) -> None:  #
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "scanned 'query_proj' may not be rematerialized (allowed device+offload) while the unrolled one "
-    "may: under scan the name goes, by shape, to the layer's carried input (a get-tuple-element of "
-    "the loop parameter, remat cost 0 s), since query_proj/context/out_proj/decoder_layer_input "
-    "all share f32[4,256,64]"))
 def test_scan_and_unrolled_offer_the_search_the_same_named_candidates(both_forms) -> None:  # type: ignore[no-untyped-def]
     # Same bytes per layer instance, same layer count, same allowed actions for every name. (The
     # decisions themselves are not compared: the memory model's all-saved peaks and step times of
