@@ -35,7 +35,7 @@ class Plan:
 
     decisions: Decisions
     sim: SimResult
-    #: Which solver produced it ("heuristic", "milp", "incumbent", "all-device", "least-peak").
+    #: Which solver produced it ("heuristic", "milp", "milp+repair", "incumbent", "all-device", "least-peak").
     solver: str
     #: HiGHS status and gap when the MILP ran on it.
     status: str = ""
@@ -106,7 +106,7 @@ def _solve(problem: Problem, m: Model, budget: int, solver: str, time_limit_s: f
         try:
             r = solve_milp(problem, budget_bytes=budget, time_limit_s=time_limit_s, model=m,
                            incumbent=None if heur is None else heur.choice)
-            return Plan(r.decisions, r.sim, "milp" if r.source == "milp" else "heuristic",
+            return Plan(r.decisions, r.sim, r.source if r.source in ("milp", "milp+repair") else "heuristic",
                         r.status, r.mip_gap, r.optimal)
         except RuntimeError:
             pass
