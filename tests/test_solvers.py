@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import itertools
+
 from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, Step
 from hloopt.simulator import lower_bound_peak, simulate
 from hloopt.solvers._model import OFF, REM, Model
@@ -104,3 +106,53 @@ def test_chainscheck_milp_vs_heuristic(layers, load, frac):
 @pytest.mark.parametrize("frac", [0.5, 0.2])
 def test_long_chainscheck_milp_vs_heuristic(layers, load, frac):
     check_milp_vs_heuristic(layers, load, frac)
+
+
+def queue_free_problem(seed: int, frac: float) -> tuple[Problem, int]:
+    """8 instances in 6 candidates (two hold 2 instances, like a scanned layer), where the MILP's
+    model is exact: steps of 1 ms, every copy under 1 ms, one copy out every other forward step
+    and one reload every other backward step (no queueing, no duplex), no latency, each buffer
+    read once in the forward. Actions allowed at random; budget ``frac`` of the way from the
+    least peak to the all-device peak."""
+    rng = np.random.default_rng(seed)
+    n_inst, owners = 8, [0, 0, 1, 1, 2, 3, 4, 5]
+    prod = 1 + 2 * np.arange(n_inst)
+    bwd0 = int(prod[-1]) + 2
+    fbu = bwd0 + 1 + 2 * rng.permutation(n_inst)
+    T = int(fbu.max()) + 3
+    size = rng.integers(50, 200, size=n_inst) * MB
+    rate = float(size.max()) / 0.9e-3
+    steps = tuple(Step(1e-3, int(b)) for b in rng.integers(400, 600, size=T) * MB)
+    insts = [Instance(int(size[i]), int(prod[i]), int(prod[i]), int(fbu[i]), int(fbu[i]) + int(rng.integers(0, 2)))
+             for i in range(n_inst)]
+    kinds = ({Action.OFFLOAD}, {Action.REMAT}, {Action.OFFLOAD, Action.REMAT})
+    cands = tuple(
+        Candidate(f"c{c}", f"c{c}", f"c{c}", tuple(x for x, o in zip(insts, owners) if o == c),
+                  frozenset(kinds[int(rng.integers(0, 3))] | {Action.DEVICE}),
+                  remat_s=float(rng.uniform(0.2e-3, 3e-3)))
+        for c in range(6))
+    p = Problem(steps, cands, rate, rate, rate, rate, 0.0)
+    peak = simulate(p, Decisions.all_device()).peak_bytes
+    floor = lower_bound_peak(p)
+    return p, int(floor + (peak - floor) * frac)
+
+
+def brute_force(p: Problem, budget: int) -> float:
+    """Least replayed step time over every combination of allowed actions within ``budget``."""
+    best = float("inf")
+    for combo in itertools.product(*[sorted(c.allowed, key=lambda a: a.value) for c in p.candidates]):
+        sim = simulate(p, Decisions({c.key: a for c, a in zip(p.candidates, combo) if a != Action.DEVICE}))
+        if sim.peak_bytes <= budget:
+            best = min(best, sim.step_time_s)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("frac", [0.15, 0.5])
+def test_milp_equals_brute_force(seed, frac):
+    p, budget = queue_free_problem(seed, frac)
+    want = brute_force(p, budget)
+    r = solve_milp(p, budget_bytes=budget, mip_rel_gap=1e-9)
+    assert r.optimal and r.source == "milp"
+    assert r.sim.peak_bytes <= budget
+    assert r.sim.step_time_s == pytest.approx(want, rel=1e-12)
