@@ -1,30 +1,53 @@
 """Exact solver: a MILP over the schedule's memory constraints and the link's queues (HiGHS).
 
-Variables: binary ``x[c, a]`` per candidate and allowed non-device action (at most one per
-candidate; none means DEVICE); continuous ``Q[s]`` = seconds of copy-out work still queued at the
-start of step ``s``; continuous ``W[t]`` = seconds of reload work that must be done before step
-``t`` starts.
+Columns: binary ``x[c, a]`` per candidate and allowed non-device action (none set: DEVICE);
+continuous ``F[k]`` = bytes the decisions free at kept step ``s_k``; ``Q[s]`` = seconds of
+copy-out work queued at the start of step ``s``; ``W[t]`` = seconds of reload work that must be
+done before step ``t`` starts. Bytes are in units of the largest instance, seconds in units of
+the mean step, the objective in units of compute time (offset 1), so HiGHS's relative gap is
+relative to the modeled step time.
 
-    min   sum_c,a added_s[c, a] * x[c, a]                  (recompute + nominal reload stalls)
+    min   1 + sum_c,a added_s[c, a] * x[c, a] / compute_s   (recompute + nominal reload stalls)
     s.t.  sum_a x[c, a] <= 1
-          Q[s] >= Q[s-1] - dur[s-1] + sum_{i produced at s-1} d2h_s[i] * x[c(i), OFF],  Q >= 0
-          W[t] >= W[t+1] - dur[t]   + sum_{i first read at t} h2d_s[i] * x[c(i), OFF],  W >= 0
-          for each binding step s:
-            dev[s] - sum_{i: lfu_i < s < fbu_i} bytes_i * (x[c(i), OFF] + x[c(i), REM])
-                   + d2h_rate * Q[s] + h2d_rate * W[s+1]  <=  target[s]
+          F[k] = F[k-1] + sum_{i: gap_i starts covering s_k} b_i x_i - sum_{i: gap_i stopped} b_i x_i
+                 (gap_i = (last_forward_use_i, first_backward_use_i), for OFFLOAD and REMAT)
+          Q[j] >= Q[j-1] - engines * (start[j] - start[j-1]) + sum_{i released at j} d2h_s[i] x_i,
+          Q[j] >= sum_{i released at j} d2h_s[i] x_i          (released: end of the producing step)
+          W[j] >= W[j+1] - engines * (start[j+1] - start[j]) + sum_{i first read at j} h2d_s[i] x_i,
+          W[j] >= sum_{i first read at j} h2d_s[i] x_i
+          dev[s_k] - F[k] + d2h_rate * Q[s_k] + h2d_rate * W[s_k + 1] <= target[s_k]   per kept step
 
-The two recursions are Lindley's queue equations: a FIFO copy-out queue (the simulator serves
-copies out in production order) and the as-late-as-possible reload plan (the simulator plans
-reloads backwards from their deadlines), so bytes still waiting to leave, or already brought
-back early, count against the budget. Queued bytes are counted as a fraction of their instance
-(the simulator counts an instance in flight whole), so the model can be short by about one
-instance per step; and bytes queued before their last forward use are counted twice (safe).
+The Q and W recursions are Lindley's queue equations, linear because Q and W only appear with
+a positive sign in the memory rows (their least values are the exact queue lengths): a FIFO
+copy-out queue (the simulator serves copies out in production order) and the as-late-as-possible
+reload plan (the simulator plans reloads backwards from their deadlines), so bytes still waiting
+to leave, or already brought back early, count against the budget. Q is a column only at release
+steps and kept steps, W only at first-read steps and after kept steps: between two such steps
+nothing is released or due, so one recursion over the interval is exact. With an ideal link
+(infinite rate) there is no queue term.
 
-Binding steps (dominance pruning): the all-device excess ``dev - target`` changes coverage only
-where some instance's gap starts or ends; within each such segment only the step of largest
-excess is kept. Replay decides: steps the simulator finds over budget are added and their target
-lowered by the excess, and the MILP is solved again (a few rounds). The result names the HiGHS
-model status and mip_gap of the last solve; the plan is always a replayed one within budget.
+What the model leaves out (the replay judges): queued bytes count as ``rate * seconds``, so the
+copy at the head of a queue counts as the fraction not yet moved (the simulator counts it whole:
+up to one instance per direction short); a copy out that overlaps its own forward uses, or its
+own reload, counts twice (safe); duplex slowdowns; stalls from queueing (the objective charges
+each reload's stall as if it had the link alone).
+
+Rows (exact pruning): a memory row is written only at *kept* steps. Between two consecutive
+events (a gap starting or ending, a copy released, a reload due) F is constant and the least Q
+and W are convex in time (``max(0, Q0 - elapsed)``), so a step whose excess ``dev - target`` is
+at most that of some earlier and some later step of its interval is implied by those two rows;
+kept are the prefix and suffix records of the excess per interval. Steps where even every copy
+queued (``excess + rate * (Q, W with every offload) <= 0``) cannot exceed are dropped too. F's
+running-sum chain keeps the matrix at ``O(instances + steps)`` entries where a row per step
+listing every covering instance had ``O(instances * steps)`` (1M at 1k candidates).
+
+Rounds: the MILP's plan is replayed by the simulator. When it exceeds the budget, the heuristic's
+covering step (:mod:`hloopt.solvers.heuristic`, with the queues as the simulator runs them)
+completes it into a replayed plan ("milp+repair"), the steps over budget get their target lowered
+by the excess and the MILP is solved again while time is left (a solve that could be followed by
+another one gets ``_ROUND_SHARE`` of the time left). Model building counts inside the time limit.
+The result names the HiGHS status and gap of the last solve; the plan is always a replayed one
+within budget: the MILP's own, its repair, or the seeded incumbent, whichever replays fastest.
 """
 
 from __future__ import annotations
@@ -58,14 +81,16 @@ class MilpResult:
     choice: np.ndarray
     #: HiGHS model status of the last solve ("Optimal", "Time limit reached", ...).
     status: str
-    #: Relative gap between the incumbent and the dual bound of the last solve (0 when optimal).
+    #: Gap between the last solve's incumbent and its dual bound, relative to the incumbent's
+    #: modeled step time (compute + added); at most ``mip_rel_gap`` when status is "Optimal".
     mip_gap: float
     #: Modeled added seconds of the last solve's incumbent and its proven lower bound.
     objective_s: float
     bound_s: float
     #: Whether the last solve proved optimality *and* its plan replayed within budget as is.
     optimal: bool
-    #: "milp" when the plan is the MILP's own, "incumbent" when the seeded plan replayed better.
+    #: "milp" when the plan is the MILP's own, "milp+repair" when the heuristic completed a MILP
+    #: plan the replay rejected, "incumbent" when the seeded plan replayed faster.
     source: str
     rounds: int
     solve_s: float
