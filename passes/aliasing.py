@@ -46,7 +46,7 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from hloopt.ir import HOST_MEMORY_SPACE, Computation, Instruction, Module, Shape
+from hloopt.ir import HOST_MEMORY_SPACE, Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 
 ShapeIndex = tuple[int, ...]
@@ -118,16 +118,17 @@ class Aliasing:
 
 # Shape -> (indices in pre-order, index -> offset); shapes are interned by the parser.
 _OFFSETS: dict[Shape, tuple[list[ShapeIndex], dict[ShapeIndex, int]]] = {}
+#: the offsets of every array shape: one position, {}
+_ARRAY_OFFSETS: tuple[list[ShapeIndex], dict[ShapeIndex, int]] = ([()], {(): 0})
 
 
 def _offsets(shape: Shape) -> tuple[list[ShapeIndex], dict[ShapeIndex, int]]:
+    if shape.element_type != "tuple":
+        return _ARRAY_OFFSETS
     got = _OFFSETS.get(shape)
     if got is None:
-        if not shape.is_tuple:
-            got = ([()], {(): 0})
-        else:
-            idx = [i for i, _ in shape.subshapes()]
-            got = (idx, {i: k for k, i in enumerate(idx)})
+        idx = [i for i, _ in shape.subshapes()]
+        got = (idx, {i: k for k, i in enumerate(idx)})
         if len(_OFFSETS) < 200_000:
             _OFFSETS[shape] = got
     return got
@@ -151,7 +152,8 @@ class BufferAliasing(Analysis[Aliasing]):
     in_place: bool = False
 
     def run(self, module: Module, am: AnalysisManager) -> Aliasing:
-        return _Builder(module, in_place=self.in_place).build()
+        with gc_paused():
+            return _Builder(module, in_place=self.in_place).build()
 
 
 class _Builder:
@@ -235,16 +237,19 @@ class _Builder:
 
     def build(self) -> Aliasing:
         comps = self.visited_computations()
+        base, slot_inst, slot_index = self.base, self.slot_inst, self.slot_index
         for comp in comps:
             for inst in comp.instructions:
-                indices = self._offsets(inst)[0]
-                self.base[inst] = len(self.slot_inst)
-                for idx in indices:
-                    n = len(self.slot_inst)
-                    self.slot_inst.append(inst)
-                    self.slot_index.append(idx)
-                    self.parent.append(n)
-                    self.defines.append(True)
+                base[inst] = len(slot_inst)
+                if inst.shape.element_type != "tuple":
+                    slot_inst.append(inst)
+                    slot_index.append(())
+                else:
+                    indices = self._offsets(inst)[0]
+                    slot_inst.extend([inst] * len(indices))
+                    slot_index.extend(indices)
+        self.parent = list(range(len(slot_inst)))
+        self.defines = [True] * len(slot_inst)
         entry = self.module.entry
         whiles: list[Instruction] = []
         for comp in comps:
@@ -469,18 +474,22 @@ class _Builder:
 
     def collect(self, comps: list[Computation]) -> Aliasing:
         n = len(self.slot_inst)
-        find = self.find
-        roots = [find(s) for s in range(n)]
-        bid: dict[int, int] = {}
+        parent, defines = self.parent, self.defines
+        # Buffers are numbered by their smallest slot. union() hangs the larger root under the
+        # smaller and find() only shortens paths, so a slot's parent is never a larger slot:
+        # one forward pass gives every slot its buffer (its parent's, already known), and a
+        # root (its own parent) starts the next buffer.
+        bid = [0] * n
         members_def: list[list[int]] = []
         for s in range(n):
-            r = roots[s]
-            b = bid.get(r)
-            if b is None:
-                b = bid[r] = len(members_def)
-                members_def.append([])
-            if self.defines[s]:
-                members_def[b].append(s)
+            p = parent[s]
+            if p == s:
+                bid[s] = len(members_def)
+                members_def.append([s] if defines[s] else [])
+            else:
+                b = bid[s] = bid[p]
+                if defines[s]:
+                    members_def[b].append(s)
         entry = self.module.entry
         param_of: dict[int, int] = {}
         outputs: dict[int, list[ShapeIndex]] = {}
@@ -488,32 +497,37 @@ class _Builder:
             for p in entry.parameters:
                 base = self.base[p]
                 for off in range(len(self._offsets(p)[0])):
-                    param_of.setdefault(bid[roots[base + off]], p.parameter_number)
+                    param_of.setdefault(bid[base + off], p.parameter_number)
             if entry.root is not None:
                 base = self.base[entry.root]
                 for off, idx in enumerate(self._offsets(entry.root)[0]):
-                    outputs.setdefault(bid[roots[base + off]], []).append(idx)
+                    outputs.setdefault(bid[base + off], []).append(idx)
         buffers: list[Buffer] = []
         inst_of, index_of = self.slot_inst, self.slot_index
         for b, defs in enumerate(members_def):
             if not defs:  # only aliases of something outside the visited code (should not happen)
-                defs = [s for s in range(n) if bid[roots[s]] == b][:1]
+                defs = [s for s in range(n) if bid[s] == b][:1]
             main = defs[0]
-            for s in defs:
-                if inst_of[s].parent is entry:
-                    main = s
-                    break
-            main_shape = inst_of[main].shape.at(index_of[main])
-            size = max(inst_of[s].shape.at(index_of[s]).byte_size for s in defs) if len(defs) > 1 \
-                else main_shape.byte_size
+            if len(defs) == 1:
+                main_shape = inst_of[main].shape.at(index_of[main])
+                size = main_shape.byte_size
+                values: tuple[tuple[Instruction, ShapeIndex], ...] = ((inst_of[main], index_of[main]),)
+            else:
+                for s in defs:
+                    if inst_of[s].parent is entry:
+                        main = s
+                        break
+                main_shape = inst_of[main].shape.at(index_of[main])
+                size = max(inst_of[s].shape.at(index_of[s]).byte_size for s in defs)
+                values = tuple((inst_of[s], index_of[s]) for s in defs)
+            out = outputs.get(b)
             buffers.append(Buffer(
                 id=b, size_bytes=size, memory_space=main_shape.memory_space,
-                instruction=inst_of[main], index=index_of[main], shape=main_shape,
-                values=tuple((inst_of[s], index_of[s]) for s in defs),
-                parameter=param_of.get(b, -1), output_indices=tuple(outputs.get(b, ())),
+                instruction=inst_of[main], index=index_of[main], shape=main_shape, values=values,
+                parameter=param_of.get(b, -1), output_indices=tuple(out) if out else (),
             ))
-        position_buffers = {inst: tuple(bid[roots[base + k]] for k in range(len(self._offsets(inst)[0])))
-                            for inst, base in self.base.items()}
+        ends = list(self.base.values())[1:] + [n]
+        position_buffers = {inst: tuple(bid[base:end]) for (inst, base), end in zip(self.base.items(), ends)}
         return Aliasing(self.module, buffers, comps, position_buffers)
 
 

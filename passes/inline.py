@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hloopt.ir import Computation, Instruction, Module
+from hloopt.ir import Computation, Instruction, Module, gc_paused
 
 
 def _copy(inst: Instruction, name: str) -> Instruction:
@@ -141,7 +141,8 @@ def inline_calls(module: Module) -> Module:
     """A copy of ``module`` with every ``call`` inlined (see the module docstring)."""
     if not any(i.opcode == "call" for i in module.instructions()):
         return module
-    return _Inliner(module).run()
+    with gc_paused():
+        return _Inliner(module).run()
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar, Iterator
 
-from hloopt.ir import Computation, Instruction, Module, Shape
+from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import CONTROL_FLOW, Aliasing, Buffer, BufferAliasing
 from hloopt.passes.fusion_model import TpuFusion
@@ -187,6 +187,10 @@ class Liveness(Analysis[LiveRanges]):
     alignment_bytes: int = 0
 
     def run(self, module: Module, am: AnalysisManager) -> LiveRanges:
+        with gc_paused():
+            return self._run(module, am)
+
+    def _run(self, module: Module, am: AnalysisManager) -> LiveRanges:
         from hloopt.errors import UserError
 
         if self.materialize not in MATERIALIZE:

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from hloopt.errors import UserError
-from hloopt.ir import Computation, Instruction, Module, Shape
+from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 
 #: path fragments of library frames skipped when looking for the user's source line
@@ -276,7 +276,8 @@ class FindResiduals(Analysis[ResidualSet]):
     metadata_hints: bool = True
 
     def run(self, module: Module, am: AnalysisManager | None = None) -> ResidualSet:
-        return _find(module, loss_output=self.loss_output, hints=self.metadata_hints)
+        with gc_paused():
+            return _find(module, loss_output=self.loss_output, hints=self.metadata_hints)
 
 
 def find_residuals(module: Module, *, loss_output: int | None = None, metadata_hints: bool = True) -> ResidualSet:

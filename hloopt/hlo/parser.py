@@ -20,7 +20,6 @@ bound), so hostile input cannot exhaust the stack.
 
 from __future__ import annotations
 
-import gc
 import re
 from typing import Callable, NoReturn
 
@@ -34,6 +33,7 @@ from hloopt.ir import (
     Layout,
     Module,
     Shape,
+    gc_paused,
     unquote,
 )
 
@@ -949,17 +949,12 @@ def parse_module(text: str, *, filename: str = "<string>", name: str | None = No
     default = name or _stem(filename)
     # The parser allocates millions of long-lived objects and frees none: the cyclic GC would
     # rescan the growing heap over and over (8x the parse time on a 200k-instruction module).
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         mod = _Parser(text, filename).module(default)
         if verify:
             from hloopt.hlo.verifier import verify_module
 
             verify_module(mod, text=text, linked=True)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return mod
 
 
