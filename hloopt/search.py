@@ -162,7 +162,10 @@ def search(
                 break
             mid = (lo + hi) // 2
             try:
-                plan = _fit(problem, m, mid, solver, time_limit_s / 4)
+                # The whole bisection stays within time_limit_s: probes after it use the heuristic.
+                left = t0 + time_limit_s - time.perf_counter()
+                plan = _fit(problem, m, mid, solver if left > 0.5 else "heuristic",
+                            max(0.1, min(time_limit_s / 4, left)))
             except InfeasibleBudget:
                 lo = mid + 1
                 continue
