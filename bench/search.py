@@ -1,9 +1,12 @@
 """Solve time vs number of candidates for both solvers on transformer-shaped Problems.
 
-Run: python bench/search.py [--milp-max 1000] [--time-limit 30]
+Run: python bench/search.py [--sizes 10,100,1000] [--milp-max 1000] [--time-limit 30] [--link-load 2.0]
 Problems: hloopt.solvers.synthetic.transformer_problem(L) with 9 residuals per layer, one
 Candidate per (layer, name), 20 forward + 40 backward steps per layer; budget halfway between
 the least peak and the all-device peak. Step time is the simulator's replay of each plan.
+The MILP runs alone (no heuristic start); its time includes building the model; ``gap`` is
+HiGHS's last gap relative to the modeled step time; ``src`` says whose plan it returned ("milp",
+or "milp+repair" when the heuristic completed a MILP plan the replay rejected).
 """
 
 from __future__ import annotations
