@@ -62,7 +62,7 @@ import numpy as np
 from hloopt.problem import Decisions, Problem, SimResult
 from hloopt.simulator import simulate
 from hloopt.solvers import new_highs
-from hloopt.solvers._model import DEV, OFF, REM, Model
+from hloopt.solvers._model import OFF, REM, Model
 from hloopt.solvers.heuristic import HeuristicFailed, solve_heuristic
 
 __all__ = ["MilpResult", "solve_milp"]
