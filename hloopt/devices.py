@@ -104,6 +104,10 @@ class DeviceProfile:
     sources: Mapping[str, str] = field(default_factory=dict)
     #: One line saying which product this is (form factor, memory variant).
     description: str = ""
+    #: On-chip memory (TPU VMEM) the compiler's memory-space assignment fills, bytes; libtpu's
+    #: peak_memory_in_bytes counts that heap when it peaks above the HBM one (passes/memory.py).
+    #: 0: not modeled.
+    on_chip_heap_bytes: int = 0
 
     def __post_init__(self) -> None:
         # Freeze the mappings so a shared built-in profile cannot be edited through one user.
@@ -310,6 +314,8 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Dev
     if not isinstance(desc, str):
         raise _field_error(origin, "description", "a string", desc)
     kw["description"] = desc
+    if data.get("on_chip_heap_bytes", 0) not in (0, "0"):
+        kw["on_chip_heap_bytes"] = _size(data["on_chip_heap_bytes"], "on_chip_heap_bytes", origin)
     profile = DeviceProfile(**kw)
     _check_consistency(profile, origin)
     return profile
@@ -427,6 +433,8 @@ def profile_to_toml(profile: DeviceProfile) -> str:
         elif k in _RATE_FIELDS:
             comment = f"  # {format_rate(v)}"
         lines.append(f"{k} = {_toml_value(v)}{comment}")
+    if d["on_chip_heap_bytes"]:
+        lines.append(f"on_chip_heap_bytes = {d['on_chip_heap_bytes']}  # {format_bytes(d['on_chip_heap_bytes'])}")
     lines += ["", "[peak_flops_per_s]"]
     lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d["peak_flops_per_s"].items()]
     lines += ["", "[sources]"]

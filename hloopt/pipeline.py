@@ -77,10 +77,13 @@ class Analyzed:
     cost: Any
     #: checkpoint_names that name a checkpoint's own input (hloopt.naming.ResidualNames): no remat
     checkpoint_inputs: frozenset[str] = frozenset()
+    #: per entry instruction, the on-chip (VMEM) side of libtpu's accounting that no offload
+    #: lowers (predicted memory-space assignment, passes/memory.py); empty when not modeled
+    floor_bytes: list[int] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
-        return max(self.timeline_bytes, default=0)
+        return max(max(self.timeline_bytes, default=0), max(self.floor_bytes, default=0))
 
 
 def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo",
@@ -97,8 +100,19 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     if pre_opt:
         module = inline_calls(module)  # XLA inlines calls before it assigns buffers
     am = AnalysisManager(module)
-    ranges = am.get(Liveness(materialize="tpu-fusion" if pre_opt else "all"))
+    liveness = Liveness(materialize="tpu-fusion" if pre_opt else "all")
+    ranges = am.get(liveness)
     timeline = ranges.entry_timeline(ranges.bytes_per_step(memory_space=0))
+    floor: list[int] = []
+    if pre_opt and profile.kind == "tpu" and profile.on_chip_heap_bytes:
+        # libtpu reports its VMEM heap when that peaks above the HBM one (small programs and
+        # steps whose working set fills VMEM): a floor under the HBM timeline the plan moves.
+        from hloopt.passes.memory import PeakMemory
+
+        mem = am.get(PeakMemory(liveness=liveness, on_chip_heap=True, on_chip_bytes=profile.on_chip_heap_bytes,
+                                outputs_whole_program=True, reuse_output_allocations=True))
+        if mem.on_chip_timeline_bytes is not None:
+            floor = ranges.entry_timeline(mem.on_chip_timeline_bytes)
     host = ranges.entry_timeline(ranges.bytes_per_step(memory_space=5))
     cost = CostAnalysis(profile=profile).run(module, am)
     entry = module.entry
@@ -108,7 +122,7 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     if names:
         residuals = residuals.with_names(dict(names))
     inputs = getattr(names, "checkpoint_inputs", frozenset())
-    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs)
+    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,7 +226,8 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         count.append(n)
         for k in range(n):
             label = inst.name if n == 1 else f"{inst.name}[{k}]"
-            steps.append(Step(an.step_s[e] / n, an.timeline_bytes[e], label, e >= backward_start))
+            steps.append(Step(an.step_s[e] / n, an.timeline_bytes[e], label, e >= backward_start,
+                              an.floor_bytes[e] if an.floor_bytes else 0))
     smap = StepMap(first, count)
 
     groups = candidate_groups(residuals)

@@ -45,6 +45,10 @@ class Step:
     label: str = ""
     #: Whether the step belongs to the backward pass (for reports; the solvers do not need it).
     backward: bool = False
+    #: Bytes counted at this step whatever the decisions: libtpu reports the larger of its HBM and
+    #: on-chip (VMEM) heaps, and offloading lowers only the first (passes/memory.py). Memory at
+    #: the step is ``max(base_bytes + live instances, floor_bytes)``; 0 where there is no such side.
+    floor_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,11 @@ Model (times in seconds, steps run in schedule order)::
   last_forward_use]`` and ``[first_backward_use, last_use]``. Where the two intervals touch or
   overlap, the instance counts once (their union). An OFFLOAD instance with
   ``first_backward_use <= last_forward_use`` moves nothing and stays on device.
-* Memory at step ``t`` = ``base_bytes[t]`` + live instance bytes, summed with numpy difference
-  arrays. Step time = end of the last step = compute time + exposed transfer time.
+* Memory at step ``t`` = ``max(base_bytes[t] + live instance bytes, floor_bytes[t])`` (live
+  bytes summed with numpy difference arrays; the floor is the side of libtpu's accounting no
+  decision lowers, 0 when there is none). Step time = end of the last step = compute time + exposed transfer time.
 
-Invariants: ``Decisions.all_device()`` gives ``peak = max_t(base[t] + live instances)`` and
+Invariants: ``Decisions.all_device()`` gives ``peak = max_t(max(base[t] + live instances, floor[t]))`` and
 ``step_time = sum(duration_s)``; no result is below :func:`lower_bound_peak` /
 :func:`lower_bound_time`. Cost: ``O((steps + instances) log instances)`` per pass, a handful of
 passes.
@@ -72,6 +73,7 @@ _MAX_DUPLEX_PASSES = 6
 class _Arrays:
     duration_s: np.ndarray  # float64 [T]
     base_bytes: np.ndarray  # int64 [T]
+    floor_bytes: np.ndarray  # int64 [T]
     #: Flattened instances of all candidates, in candidate then instance order.
     cand: np.ndarray  # int64 [N] candidate index
     inst: np.ndarray  # int64 [N] instance index within its candidate
@@ -103,6 +105,7 @@ def _arrays(problem: Problem) -> _Arrays:
     a = _Arrays(
         duration_s=np.fromiter((s.duration_s for s in problem.steps), dtype=np.float64, count=T),
         base_bytes=np.fromiter((s.base_bytes for s in problem.steps), dtype=np.int64, count=T),
+        floor_bytes=np.fromiter((s.floor_bytes for s in problem.steps), dtype=np.int64, count=T),
         cand=col(lambda r: r[0]),
         inst=col(lambda r: r[1]),
         bytes=col(lambda r: r[2].bytes),
@@ -207,7 +210,8 @@ def _lower_bound_timeline(problem: Problem) -> np.ndarray:
     lo1, lo2 = a.produced, np.maximum(a.fbu, a.lfu + 1)
     hi1 = np.where(movable, a.lfu, a.last_use)
     hi2 = np.where(movable, a.last_use, -1)
-    return a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes)
+    return np.maximum(a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes),
+                      a.floor_bytes)
 
 
 def instance_intervals(problem: Problem) -> list[tuple[str, int, int, int, int, int]]:
@@ -428,7 +432,8 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
         hi1[offl] = np.maximum(a.lfu[offl], d2h_end_step)
         lo2[offl] = h2d_start_step
     lo2 = np.maximum(lo2, hi1 + 1)
-    timeline = a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes)
+    timeline = np.maximum(a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes),
+                          a.floor_bytes)
 
     step_time = float(S[T]) if T else 0.0
     peak_step = int(np.argmax(timeline)) if T else 0

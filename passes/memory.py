@@ -117,6 +117,9 @@ class MemoryProfile:
     counted_end: list[int] = field(default_factory=list, repr=False)
     #: ids of temporaries placed inside module outputs' allocations (``reuse_output_allocations``)
     absorbed: frozenset[int] = frozenset()
+    #: predicted memory-space assignment only: per flat step, the VMEM side of the accounting
+    #: (``fixed + VMEM heap(t)``, module docstring), which no HBM decision lowers
+    on_chip_timeline_bytes: list[int] | None = field(default=None, repr=False)
 
     @property
     def peak_instruction(self) -> Instruction:
@@ -216,9 +219,11 @@ class PeakMemory(Analysis[MemoryProfile]):
             for bid in movable:  # counted by the MSA model, not as HBM bytes
                 diff[start[bid]] -= sizes[bid]
                 diff[end[bid] + 1] += sizes[bid]
-            timeline = msa_timeline(lr, start, end, movable, [base + x for x in accumulate(diff[:-1])],
-                                    capacity_bytes=self.on_chip_bytes, base_bytes=base)
+            hbm_side, on_chip_side = msa_sides(lr, start, end, movable, [base + x for x in accumulate(diff[:-1])],
+                                               capacity_bytes=self.on_chip_bytes, base_bytes=base)
+            timeline = [max(h, v) for h, v in zip(hbm_side, on_chip_side)]
         else:
+            on_chip_side = None
             timeline = [base + x for x in accumulate(diff[:-1])]
         host_timeline = list(accumulate(hdiff[:-1]))
         peak = max(timeline) if timeline else base
@@ -245,6 +250,7 @@ class PeakMemory(Analysis[MemoryProfile]):
             host_bytes=max(host_timeline, default=0), static_bytes=static, code_bytes=self.code_bytes,
             categories={k: v for k, v in by_cat.items() if v}, top=top, category_of=cats,
             counted_start=start, counted_end=end, absorbed=frozenset(absorbed),
+            on_chip_timeline_bytes=on_chip_side,
         )
 
 
@@ -256,6 +262,13 @@ def msa_timeline(lr: LiveRanges, start: list[int], end: list[int], movable: set[
     counted ranges), ``base_bytes`` its constant part (static allocations, code); parameters and
     outputs are in it, and on the VMEM side too.
     """
+    hbm, vmem = msa_sides(lr, start, end, movable, hbm_bytes, capacity_bytes=capacity_bytes, base_bytes=base_bytes)
+    return [max(h, v) for h, v in zip(hbm, vmem)]
+
+
+def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int], hbm_bytes: list[int], *,
+              capacity_bytes: int, base_bytes: int = 0) -> tuple[list[int], list[int]]:
+    """:func:`msa_timeline`'s two sides per step: ``fixed + HBM heap(t)`` and ``fixed + VMEM heap(t)``."""
     n = len(lr.steps)
     sizes = lr.size_bytes
     mdiff = [0] * (n + 1)
@@ -294,13 +307,12 @@ def msa_timeline(lr: LiveRanges, start: list[int], end: list[int], movable: set[
         out.update(b for b in at.get(inst, ()) if buffers[b].output_indices)
         return out
 
-    out = []
+    hbm_side, vmem_side = [], []
     for t, inst in enumerate(lr.steps):
-        hbm = hbm_bytes[t] + max(0, mov[t] - capacity_bytes)
+        hbm_side.append(hbm_bytes[t] + max(0, mov[t] - capacity_bytes))
         pre = 0 if inst.opcode in _NO_PREFETCH else sum(sizes[b] for b in hbm_operands(inst))
-        vmem = base_bytes + fixed[t] + min(capacity_bytes, mov[t] + pre)
-        out.append(max(hbm, vmem))
-    return out
+        vmem_side.append(base_bytes + fixed[t] + min(capacity_bytes, mov[t] + pre))
+    return hbm_side, vmem_side
 
 
 #: steps that move no data through the core (MSA prefetches nothing for them)
@@ -461,4 +473,4 @@ def _info(module: Module, b: Buffer, size: int, cat: str, start: int, end: int) 
 
 
 __all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "ON_CHIP_MEMORY_SPACE", "PeakMemory", "categorize",
-           "msa_timeline", "output_allocation_reuse"]
+           "msa_sides", "msa_timeline", "output_allocation_reuse"]

@@ -26,13 +26,14 @@ def test_list_profiles() -> None:
 @pytest.mark.parametrize("name", BUILTINS)
 def test_every_number_has_a_source(name: str) -> None:
     p = load_profile(name)
-    keys = NUMERIC + [f"peak_flops_per_s.{k}" for k in p.peak_flops_per_s]
+    keys = NUMERIC + [f"peak_flops_per_s.{k}" for k in p.peak_flops_per_s] + (
+        ["on_chip_heap_bytes"] if p.on_chip_heap_bytes else [])
     missing = [k for k in keys if not p.sources.get(k, "").strip()]
     assert missing == []
     # Every source cites something checkable or says it is an assumption.
     for k in keys:
         s = p.sources[k]
-        assert "http" in s or s.startswith("ASSUMPTION") or "tpu_info.py" in s, (k, s)
+        assert "http" in s or s.startswith(("ASSUMPTION", "MEASURED")) or "tpu_info.py" in s, (k, s)
     # No stray sources for fields that do not exist (catches typos in the TOML).
     assert set(p.sources) <= set(keys)
 

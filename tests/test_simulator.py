@@ -169,6 +169,24 @@ def test_lower_bounds_hand_case():
     assert lower_bound_time(p) == pytest.approx(5 * MS)
 
 
+def test_floor_bounds_every_step_and_offloading_cannot_go_under_it():
+    # 6 steps; the on-chip side counts BASE + 1.5 MB at steps 2..3 whatever is decided.
+    floor = 3 * MB // 2
+    p = problem(6, [Instance(MB, 0, 0, 5, 5)])
+    p = Problem(tuple(Step(MS, BASE, floor_bytes=floor if t in (2, 3) else 0) for t in range(6)),
+                p.candidates, 1e9, 1e9, 1e9, 1e9, 0.0)
+    r = simulate(p, Decisions.all_device())
+    assert r.timeline_bytes == [BASE + MB, BASE + MB, floor, floor, BASE + MB, BASE + MB]
+    r = simulate(p, offload_all(p))  # off device at steps 2, 3 (as in the test above)
+    assert r.timeline_bytes == [BASE + MB, BASE + MB, floor, floor, BASE + MB, BASE + MB]
+    assert lower_bound_peak(p) == floor
+    from hloopt.errors import InfeasibleBudget
+    from hloopt.solvers.bounds import check_budget
+
+    with pytest.raises(InfeasibleBudget):
+        check_budget(p, floor - 1)
+
+
 # -- properties over random problems -----------------------------------------------------------
 
 
