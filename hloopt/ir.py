@@ -268,6 +268,9 @@ class Metadata:
 
 
 EMPTY_METADATA = Metadata()
+#: metadata text -> parsed, shared by every instruction with the same text (bounded)
+_METADATA_CACHE: dict[str, Metadata] = {}
+_METADATA_CACHE_SIZE = 50_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +334,9 @@ class Instruction:
         #: Operand text of ``constant(...)`` / ``parameter(N)`` etc., raw.
         self.literal: str | None = None
         self.users: list[Instruction] = []
-        self.control_predecessors: list[Instruction] = []
+        #: ``control-predecessors={...}``; an empty tuple when there are none (nearly always:
+        #: one list per instruction was a seventh of the objects the garbage collector scans)
+        self.control_predecessors: Sequence[Instruction] = ()
         #: (line, col) of the instruction's name in the source text, 1-based.
         self.span: tuple[int, int] = (0, 0)
 
@@ -341,11 +346,21 @@ class Instruction:
     # -- typed views over raw attributes -------------------------------------------------------
     @property
     def metadata(self) -> Metadata:
-        if self._metadata is None:
-            self._metadata = (
-                parse_metadata(self._metadata_text) if self._metadata_text else EMPTY_METADATA
-            )
-        return self._metadata
+        md = self._metadata
+        if md is None:
+            text = self._metadata_text
+            if not text:
+                md = EMPTY_METADATA
+            else:
+                # Metadata is immutable and a few hundred texts cover a 100k-instruction step
+                # (every layer repeats its op names): parse each text once.
+                md = _METADATA_CACHE.get(text)
+                if md is None:
+                    md = parse_metadata(text)
+                    if len(_METADATA_CACHE) < _METADATA_CACHE_SIZE:
+                        _METADATA_CACHE[text] = md
+            self._metadata = md
+        return md
 
     @property
     def custom_call_target(self) -> str:

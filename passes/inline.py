@@ -66,7 +66,8 @@ class _Inliner:
             return
         new = _copy(inst, prefix + inst.name)
         new.operands = [env[o] for o in inst.operands]
-        new.control_predecessors = [env[p] for p in inst.control_predecessors if p in env]
+        if inst.control_predecessors:
+            new.control_predecessors = [env[p] for p in inst.control_predecessors if p in env]
         comp.instructions.append(new)
         env[inst] = new
         if inst.called:

@@ -59,52 +59,55 @@ class Schedule(Analysis[ScheduleResult]):
 def list_schedule(comp: Computation) -> list[Instruction]:
     """Greedy memory-aware topological order of ``comp`` (see the module docstring)."""
     insts = comp.instructions
+    n = len(insts)
+    # Instructions are numbered by text position (also the tie-break); everything below is
+    # indexed by that number.
     pos = {inst: i for i, inst in enumerate(insts)}
-    remaining_uses: dict[Instruction, int] = {}
-    deps_left: dict[Instruction, int] = {}
-    succs: dict[Instruction, list[Instruction]] = {inst: [] for inst in insts}
-    for inst in insts:
-        preds = dict.fromkeys(o for o in inst.operands if o in pos)
-        preds.update(dict.fromkeys(p for p in inst.control_predecessors if p in pos))
-        deps_left[inst] = len(preds)
+    root = pos.get(comp.root, -1) if comp.root is not None else -1
+    #: bytes each instruction defines (0 for one that forwards its operand's storage)
+    size = [0 if inst.opcode in _FORWARDING else inst.shape.total_byte_size for inst in insts]
+    #: distinct operands in this computation, in operand order
+    operands: list[list[int]] = []
+    remaining_uses = [0] * n
+    deps_left = [0] * n
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for i, inst in enumerate(insts):
+        ops = list(dict.fromkeys(k for o in inst.operands if (k := pos.get(o)) is not None))
+        operands.append(ops)
+        preds = dict.fromkeys(ops)
+        if inst.control_predecessors:
+            preds.update(dict.fromkeys(k for p in inst.control_predecessors if (k := pos.get(p)) is not None))
+        deps_left[i] = len(preds)
         for p in preds:
-            succs[p].append(inst)
-        for o in dict.fromkeys(inst.operands):
-            if o in pos:
-                remaining_uses[o] = remaining_uses.get(o, 0) + 1
+            succs[p].append(i)
+        for o in ops:
+            remaining_uses[o] += 1
 
-    def size(inst: Instruction) -> int:
-        return 0 if inst.opcode in _FORWARDING else inst.shape.total_byte_size
+    def priority(i: int) -> int:
+        freed = sum(size[o] for o in operands[i] if remaining_uses[o] == 1 and o != root)
+        return size[i] - freed  # smaller is better
 
-    def priority(inst: Instruction) -> int:
-        freed = sum(size(o) for o in dict.fromkeys(inst.operands)
-                    if o in pos and remaining_uses[o] == 1 and o is not comp.root)
-        return size(inst) - freed  # smaller is better
-
-    heap: list[tuple[int, int, Instruction]] = []
-    for inst in insts:
-        if deps_left[inst] == 0:
-            heapq.heappush(heap, (priority(inst), pos[inst], inst))
+    heap = [(priority(i), i) for i in range(n) if deps_left[i] == 0]
+    heapq.heapify(heap)
     out: list[Instruction] = []
-    done: set[Instruction] = set()
+    done = [False] * n
     while heap:
-        pri, i, inst = heapq.heappop(heap)
-        if inst in done:
+        pri, i = heapq.heappop(heap)
+        if done[i]:
             continue
-        now = priority(inst)
+        now = priority(i)
         if now != pri:
-            heapq.heappush(heap, (now, i, inst))
+            heapq.heappush(heap, (now, i))
             continue
-        done.add(inst)
-        out.append(inst)
-        for o in dict.fromkeys(inst.operands):
-            if o in pos:
-                remaining_uses[o] -= 1
-        for s in succs[inst]:
-            deps_left[s] -= 1
-            if deps_left[s] == 0:
-                heapq.heappush(heap, (priority(s), pos[s], s))
-    if len(out) != len(insts):
+        done[i] = True
+        out.append(insts[i])
+        for o in operands[i]:
+            remaining_uses[o] -= 1
+        for j in succs[i]:
+            deps_left[j] -= 1
+            if deps_left[j] == 0:
+                heapq.heappush(heap, (priority(j), j))
+    if len(out) != n:
         raise UserError(f"computation {comp.name} has a cycle: cannot schedule it")
     return out
 

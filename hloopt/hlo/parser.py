@@ -889,12 +889,14 @@ class _Parser:
                             callee.callers.append(inst)
                     cp = attrs.get("control-predecessors")
                     if cp is not None:
+                        preds = []
                         for nm in _computation_names(cp):
                             pred = by_name.get(nm)
                             if pred is None:
                                 raise self.error(self._pos_of(inst), f"instruction {nm!r} is not "
                                                                      "defined (control-predecessors)")
-                            inst.control_predecessors.append(pred)
+                            preds.append(pred)
+                        inst.control_predecessors = preds
                 if inst.shape is None:
                     inst.shape = self._infer_shape(inst, comps)
             if params:
