@@ -33,6 +33,13 @@ Three models, each checked against libtpu's compiled modules of the zoo (``fixtu
   materialized when it feeds loop state, a tuple or the root (XLA writes the last fused op there),
   unless it is a scalar or a constant. Reductions, dots, convolutions, gathers/scatters,
   dynamic-(update-)slices, sorts, loops and calls are fusion roots: they hold their result.
+* **Storage type** (:func:`bf16_stored`): TPU runs an f32 dot or convolution at default
+  precision as one bf16 MXU pass on ``convert(operand)``. When every reader of a materialized
+  f32 value (through tuples, get-tuple-elements and the optimization barriers of
+  ``jax.checkpoint``) is such a matmul, the converts are one CSE'd instruction that fuses into the
+  value's producer, and the buffer holds bf16: half the bytes. libtpu's compiled small zoo stores
+  exactly these as bf16: mlp's relu outputs and convnet's block inputs and max-pool outputs, each
+  read by the next layer and by the rematerialized block in the backward pass.
 
 Code size: libtpu's ``peak_memory_in_bytes`` includes the program's generated code
 (``generated_code_size_in_bytes``), which is unknowable before compiling (it is 15-60% of the
@@ -40,8 +47,9 @@ tiny zoo models' peak, well under 1% of a real model's). The model predicts the 
 code; tests compare it with XLA's peak minus XLA's code size.
 
 Invariants: a fused-away instruction is never an entry parameter, a module output, loop state or
-a computation's root; ``bytes_of`` is a positive multiple of ``alignment_bytes`` for arrays, and
-never more than the global unsharded tiled size.
+a computation's root; a narrowed (bf16-stored) value is an f32 array defined in the entry that
+is neither a parameter nor an output; ``value_bytes`` is a positive multiple of
+``alignment_bytes`` for arrays, and never more than the global unsharded tiled size.
 """
 
 from __future__ import annotations
@@ -375,6 +383,87 @@ def fused_instructions(module: Module) -> set[Instruction]:
     return out
 
 
+#: ``operand_precision`` values that let TPU run an f32 dot/convolution as one bf16 MXU pass
+_ONE_PASS = frozenset({"default", "DEFAULT"})
+
+
+def is_bf16_matmul(inst: Instruction) -> bool:
+    """An f32 dot or convolution at default precision: TPU converts its operands to bf16.
+
+    The MXU multiplies bf16; at ``DEFAULT`` precision libtpu feeds it ``convert(operand)`` (one
+    pass) rather than splitting f32 into several bf16 passes as ``HIGH``/``HIGHEST`` do.
+    """
+    if inst.opcode not in ("dot", "convolution") or len(inst.operands) != 2:
+        return False
+    if any(o.shape.element_type != "f32" for o in inst.operands):
+        return False
+    prec = inst.attrs.get("operand_precision")
+    if prec:
+        names = [x.strip() for x in prec.strip("{}").split(",") if x.strip()]
+        if any(n not in _ONE_PASS for n in names):
+            return False
+    return True
+
+
+#: instructions through which a value reaches its readers unchanged (storage forwarding)
+_PASS_THROUGH = frozenset({"tuple", "get-tuple-element", "opt-barrier", "optimization-barrier"})
+
+
+def _final_readers(inst: Instruction, limit: int = 64) -> list[Instruction] | None:
+    """The instructions that read ``inst``'s value, looking through tuples, get-tuple-elements and
+    optimization barriers (index by index); None when the value leaves through anything else
+    (a loop, a call, the root) or the walk grows past ``limit``."""
+    out: list[Instruction] = []
+    todo: list[tuple[Instruction, tuple[int, ...]]] = [(inst, ())]
+    seen: set[tuple[Instruction, tuple[int, ...]]] = set()
+    while todo:
+        node, index = todo.pop()
+        if (node, index) in seen:
+            continue
+        seen.add((node, index))
+        if len(seen) > limit or node.is_root:
+            return None
+        for u in node.users:
+            op = u.opcode
+            if op == "tuple":
+                todo.extend((u, (k,) + index) for k, o in enumerate(u.operands) if o is node)
+            elif op == "get-tuple-element":
+                if not index:
+                    return None
+                if u.tuple_index == index[0]:
+                    todo.append((u, index[1:]))
+            elif op in ("opt-barrier", "optimization-barrier"):
+                todo.append((u, index))
+            elif index or op in _CONTROL_FLOW or op == "parameter":
+                return None
+            else:
+                out.append(u)
+    return out
+
+
+def bf16_stored(module: Module, fused: set[Instruction]) -> set[Instruction]:
+    """Materialized f32 values XLA stores as bf16: every reader (through tuples and optimization
+    barriers) is an f32 dot/convolution at default precision (:func:`is_bf16_matmul`).
+
+    TPU rewrites such readers to read ``convert(value)``; the converts, one per reader, are CSE'd
+    into one, which fuses into the value's producer (a kLoop or kOutput fusion then writes bf16),
+    and the f32 value is never written. This is what libtpu stores between a relu and the next
+    layer's matmul or convolution, and for a rematerialized block's saved input (compiled small
+    zoo: mlp's relu outputs, convnet's block inputs and max-pool outputs are bf16 buffers).
+    """
+    out: set[Instruction] = set()
+    # the entry only: loop bodies are not narrowed (their state keeps the loop's types)
+    for inst in module.entry.instructions if module.entry is not None else ():
+        if inst in fused or inst.opcode == "parameter" or inst.opcode in _PASS_THROUGH \
+                or inst.opcode in ("bitcast", "copy") or not inst.shape.is_array \
+                or inst.shape.element_type != "f32" or inst.shape.num_elements <= 1:
+            continue  # forwarders and views carry their source's storage
+        readers = _final_readers(inst)
+        if readers and all(is_bf16_matmul(r) for r in readers):
+            out.add(inst)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The analysis
 # --------------------------------------------------------------------------------------------
@@ -390,9 +479,12 @@ class FusionPlan:
     #: tile counts per instruction (absent: replicated)
     shardings: dict[Instruction, Split] = field(repr=False)
     alignment_bytes: int = 512
+    #: f32 values stored as bf16 (:func:`bf16_stored`)
+    narrowed: frozenset[Instruction] = frozenset()
 
-    def value_bytes(self, inst: Instruction, index: tuple[int, ...] = ()) -> int:
-        """Per-device HBM bytes of the value at ``inst``'s shape ``index`` (0 when fused away)."""
+    def value_bytes(self, inst: Instruction, index: tuple[int, ...] = (), *, narrowed: bool = False) -> int:
+        """Per-device HBM bytes of the value at ``inst``'s shape ``index`` (0 when fused away);
+        ``narrowed``: the value is stored as bf16 (a forwarding position of a narrowed value)."""
         if inst in self.fused:
             return 0
         shape = inst.shape
@@ -404,12 +496,16 @@ class FusionPlan:
             return max(self.alignment_bytes, 8 * len(shape.tuple_shapes))
         if not shape.is_array:
             return 0
-        return tpu_compact_bytes(shape.element_type, shard_dims(shape, s), alignment_bytes=self.alignment_bytes)
+        narrow = narrowed or (not index and inst in self.narrowed)
+        dtype = "bf16" if narrow and shape.element_type == "f32" else shape.element_type
+        return tpu_compact_bytes(dtype, shard_dims(shape, s), alignment_bytes=self.alignment_bytes)
 
     def buffer_bytes(self, buffer: object) -> int:
         """Per-device bytes of an aliasing :class:`~hloopt.passes.aliasing.Buffer`: its largest value."""
         values = getattr(buffer, "values")
-        return max((self.value_bytes(i, tuple(ix)) for i, ix in values), default=0)
+        # a narrowed value keeps its bf16 size through the tuples and barriers that forward it
+        narrowed = bool(self.narrowed) and any(not ix and i in self.narrowed for i, ix in values)
+        return max((self.value_bytes(i, tuple(ix), narrowed=narrowed) for i, ix in values), default=0)
 
 
 @dataclass(frozen=True)
@@ -421,9 +517,10 @@ class TpuFusion(Analysis[FusionPlan]):
     alignment_bytes: int = 512
 
     def run(self, module: Module, am: AnalysisManager) -> FusionPlan:
-        return FusionPlan(module, frozenset(fused_instructions(module)), propagate_shardings(module),
-                          self.alignment_bytes)
+        fused = fused_instructions(module)
+        return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
+                          frozenset(bf16_stored(module, fused)))
 
 
-__all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "fused_instructions", "parse_sharding",
-           "propagate_shardings", "shard_dims", "tpu_compact_bytes"]
+__all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "bf16_stored", "fused_instructions",
+           "is_bf16_matmul", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes"]
