@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.tpu,
               pytest.mark.skipif(not has_libtpu(), reason="needs libtpu (pip install 'hloopt[tpu]')")]
 
 
-@pytest.mark.parametrize("model, mode", [("llama", {"budget": "75%"}), ("gpt2", {"max_slowdown": 0.05})])
+@pytest.mark.parametrize("model, mode", [("llama", {"budget": "75%"}), ("gpt2", {"max_slowdown": 0.05}),
+                                         ("mlp", {"max_slowdown": 0.05})])
 def test_small_plan_fits_and_predicts_libtpus_peak(model, mode):
     from hloopt import pipeline
     from hloopt.devices import load_profile
@@ -30,6 +31,6 @@ def test_small_plan_fits_and_predicts_libtpus_peak(model, mode):
     if plan.budget is not None:
         assert real <= plan.budget.bytes
     predicted = plan.predicted.peak_bytes
-    # measured: llama -0.86%, gpt2 +1.21% (convnet small +12.5% and mlp small -7.4% are not
-    # there yet; see tests/test_plan_e2e.py)
+    # measured: llama -0.86%, gpt2 +1.21%, mlp +0.28% (its peak is libtpu's VMEM heap, which no
+    # offload lowers: the plan keeps everything); convnet small +12.5% is not there yet
     assert abs(predicted - real) / real <= 0.03, (predicted, real)
