@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from hloopt.devices import DeviceProfile
 from hloopt.errors import UserError
-from hloopt.ir import Instruction, Module
+from hloopt.ir import Instruction, Module, gc_paused
 from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, SimResult, Step
 
 #: op_name fragments that say a value was computed inside ``jax.checkpoint`` (where a policy
@@ -86,6 +86,7 @@ class Analyzed:
         return max(max(self.timeline_bytes, default=0), max(self.floor_bytes, default=0))
 
 
+@gc_paused()  # builds long-lived analyses of a possibly huge module (hloopt.ir.gc_paused)
 def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo",
                    names: Mapping[str, str] | None = None) -> Analyzed:
     """Liveness, residuals and roofline costs of one module, folded onto its entry schedule."""
@@ -202,6 +203,7 @@ def _tuple_element(inst: Instruction) -> Instruction | None:
     return src.operands[inst.tuple_index]
 
 
+@gc_paused()
 def build_problem(an: Analyzed, profile: DeviceProfile, *,
                   prefetch_window_steps: int | None = None) -> tuple[Problem, StepMap]:
     """Turn an analyzed module into the simulator's and solvers' :class:`Problem`."""
