@@ -545,6 +545,24 @@ class Module:
 # --------------------------------------------------------------------------------------------
 
 
+#: objects gc_paused() moved to the oldest generation since the last full collection, and the
+#: tracked objects that collection left (see gc_paused)
+_gc_promoted = 0
+_gc_heap_after_collect = 0
+#: promote at least this many objects before collecting (a 100k-instruction plan makes ~1M)
+_GC_PROMOTE_MIN = 2_000_000
+
+
+def _after_full_collection(phase: str, info: dict[str, int]) -> None:
+    global _gc_promoted, _gc_heap_after_collect
+    if phase == "stop" and info.get("generation") == 2:
+        _gc_promoted = 0
+        _gc_heap_after_collect = len(gc.get_objects())
+
+
+gc.callbacks.append(_after_full_collection)
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while building many long-lived objects.
@@ -554,18 +572,24 @@ def gc_paused() -> Iterator[None]:
     included): half the time of planning a 100k-instruction module. At the end of the block the
     objects made inside go straight to the oldest generation (``gc.freeze()`` then
     ``gc.unfreeze()`` moves every tracked object there without scanning it), so the young
-    collections do not scan each of them twice more either; garbage cycles made inside wait for
-    the next full collection. Skipped when the process keeps objects frozen itself. Nested blocks
-    are fine: the collector's previous state is restored.
+    collections do not scan each of them twice more either. The collector does not count objects
+    moved that way towards its next full collection, so this does: once they outnumber what the
+    last full collection left (and 2M), one ``gc.collect()`` frees the garbage cycles among them.
+    Skipped when the process keeps objects frozen itself. Nested blocks are fine: the
+    collector's previous state is restored.
     """
+    global _gc_promoted
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if gc.get_freeze_count() == 0:
+            _gc_promoted += len(gc.get_objects(generation=0))  # made inside and still alive
             gc.freeze()
             gc.unfreeze()
+            if _gc_promoted > max(_gc_heap_after_collect, _GC_PROMOTE_MIN):
+                gc.collect()  # resets the count (_after_full_collection)
         if was_enabled:
             gc.enable()
 
