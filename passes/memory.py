@@ -24,20 +24,31 @@ How XLA counts, and the switches that reproduce it (measured on the zoo, see tes
 
 Memory-space assignment, predicted (``on_chip_heap`` on a module without ``S(1)`` buffers, i.e.
 pre-optimization; ``on_chip_bytes`` the VMEM libtpu's memory-space assignment (MSA) may fill):
-MSA moves temporaries into VMEM and prefetches the HBM operands (parameters, outputs) of the
-instruction it runs. Per step ``t``, with ``mov(t)`` the live temporaries of at most
-``on_chip_bytes`` each, ``pre(t)`` the parameter and output bytes the step reads or writes
-(through the producers fused into it) and ``hbm(t)`` everything else:
+MSA moves temporaries into VMEM and prefetches the parameters the steps read. Per step ``t``,
+with ``mov(t)`` the live temporaries of at most ``on_chip_bytes`` each, ``pre(t)`` the
+parameters whose prefetched copy is live and ``hbm(t)`` everything else:
 
-    HBM heap(t)   = hbm(t) + max(0, mov(t) - on_chip_bytes)        (what does not fit spills)
-    VMEM heap(t)  = min(on_chip_bytes, mov(t) + pre(t))
+    HBM heap(t)   = hbm(t) + mov(t) - packed(t)       (what does not fit spills)
+    VMEM heap(t)  = min(on_chip_bytes, mov(t) + out(t) + pre(t))
     timeline(t)   = fixed + max(HBM heap(t), VMEM heap(t))
 
-so the peak is fixed + max(HBM heap, VMEM heap), libtpu's accounting. Measured against libtpu
-0.0.42 (v5e; tests/test_preopt_accuracy.py): at size small, the VMEM heap libtpu reports is
-101-112 MiB whenever the step's working set exceeds VMEM (mlp, gpt2; convnet's is exactly
-112 MiB); the tiny models' VMEM heaps are predicted within 10% only for mlp and sharded (the
-others hold conv activations in padded feature-minor layouts and more prefetched copies).
+with ``packed(t)`` the bytes of the live movable temporaries a largest-first placement of whole
+buffers fits into ``on_chip_bytes`` (all of them when they fit), ``out(t)`` the live temporaries
+XLA's buffer assigner puts inside output allocations (free in HBM, still S(1) values in VMEM:
+the gradient accumulators a scan carries, its stacked residuals), and a parameter's prefetched
+copy live from the compute step before its first reader to its last reader: one copy per
+parameter, kept in between (libtpu keeps a layer's f32 weights in VMEM from the forward's bf16
+cast to the optimizer update). A reader is a materialized step; a step that reads a module output
+(same dims) joins that output's multi-output fusion and reads its parameters from the fusion's
+first step (the optimizer's moment and parameter updates are one fusion); a loop reads the
+parameters it carries from its first step. The peak is fixed + max(HBM heap, VMEM heap),
+libtpu's accounting. Measured against libtpu 0.0.42 (v5e; tests/test_preopt_accuracy.py): at
+size small, the VMEM heap libtpu reports is 101-112 MiB whenever the step's working set exceeds
+VMEM (mlp, gpt2; convnet's is exactly 112 MiB), all within 1.2%; at size tiny, where VMEM holds
+the whole working set, the VMEM heap (libtpu's dumps: the S(1) values live at the peak, within
+16 KiB) is predicted within 6% for mlp, gpt2 and llama (offloaded or not) but gpt2.offload
+(-10.0%); convnet holds its conv activations in padded feature-minor layouts (-54%) and sharded
+sizes its loop state by the global shape where libtpu shards it (+14%, +58% offloaded).
 
 Categories of a buffer (heuristics from the entry's structure and ``op_name`` metadata):
 ``parameters`` / ``optimizer state`` / ``inputs`` (entry parameters, by name: ``opt_state``,
@@ -51,6 +62,8 @@ Invariant: ``timeline_bytes[peak_step] == peak_bytes`` and the categories at the
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar
@@ -174,8 +187,12 @@ class PeakMemory(Analysis[MemoryProfile]):
                     static += sizes[b.id]
                     start[b.id] = -1  # counted as static, not in the timeline
         absorbed: set[int] = set()
+        #: (start, end, bytes) of the temporaries inside output allocations: free in HBM, but
+        #: memory-space assignment still places them in VMEM (they are S(1) in libtpu's module)
+        absorbed_ranges: list[tuple[int, int, int]] = []
         if self.reuse_output_allocations:
             absorbed = output_allocation_reuse(lr)
+            absorbed_ranges = [(start[bid], end[bid], sizes[bid]) for bid in absorbed if lr.buffers[bid].memory_space == 0]
             for bid in absorbed:
                 start[bid] = -1  # inside an output's allocation, which is counted whole
         if self.outputs_whole_program:
@@ -220,7 +237,8 @@ class PeakMemory(Analysis[MemoryProfile]):
                 diff[start[bid]] -= sizes[bid]
                 diff[end[bid] + 1] += sizes[bid]
             hbm_side, on_chip_side = msa_sides(lr, start, end, movable, [base + x for x in accumulate(diff[:-1])],
-                                               capacity_bytes=self.on_chip_bytes, base_bytes=base)
+                                               capacity_bytes=self.on_chip_bytes, base_bytes=base,
+                                               on_chip_only=absorbed_ranges)
             timeline = [max(h, v) for h, v in zip(hbm_side, on_chip_side)]
         else:
             on_chip_side = None
@@ -255,19 +273,24 @@ class PeakMemory(Analysis[MemoryProfile]):
 
 
 def msa_timeline(lr: LiveRanges, start: list[int], end: list[int], movable: set[int], hbm_bytes: list[int], *,
-                 capacity_bytes: int, base_bytes: int = 0) -> list[int]:
+                 capacity_bytes: int, base_bytes: int = 0,
+                 on_chip_only: list[tuple[int, int, int]] | tuple[()] = ()) -> list[int]:
     """Per step: libtpu's accounted bytes under the memory-space assignment model (module docstring).
 
     ``hbm_bytes`` is the timeline without the ``movable`` temporaries (``start``/``end`` are the
     counted ranges), ``base_bytes`` its constant part (static allocations, code); parameters and
-    outputs are in it, and on the VMEM side too.
+    outputs are in it, and on the VMEM side too. ``on_chip_only`` are ``(start, end, bytes)`` of
+    temporaries that cost nothing in HBM (inside output allocations) but fill VMEM like the
+    movable ones.
     """
-    hbm, vmem = msa_sides(lr, start, end, movable, hbm_bytes, capacity_bytes=capacity_bytes, base_bytes=base_bytes)
+    hbm, vmem = msa_sides(lr, start, end, movable, hbm_bytes, capacity_bytes=capacity_bytes, base_bytes=base_bytes,
+                          on_chip_only=on_chip_only)
     return [max(h, v) for h, v in zip(hbm, vmem)]
 
 
 def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int], hbm_bytes: list[int], *,
-              capacity_bytes: int, base_bytes: int = 0) -> tuple[list[int], list[int]]:
+              capacity_bytes: int, base_bytes: int = 0,
+              on_chip_only: list[tuple[int, int, int]] | tuple[()] = ()) -> tuple[list[int], list[int]]:
     """:func:`msa_timeline`'s two sides per step: ``fixed + HBM heap(t)`` and ``fixed + VMEM heap(t)``."""
     n = len(lr.steps)
     sizes = lr.size_bytes
@@ -285,13 +308,20 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
             fdiff[end[b.id] + 1] -= sizes[b.id]
     mov = list(accumulate(mdiff[:-1]))
     fixed = list(accumulate(fdiff[:-1]))
+    for s, e, size in on_chip_only:
+        mdiff[s] += size
+        mdiff[e + 1] -= size
+    on_chip_mov = list(accumulate(mdiff[:-1]))
     buffers = lr.buffers
     at = lr.aliasing.position_buffers
     held = [lr.start[b.id] >= 0 for b in buffers]  # materialized (not fused away, not a view)
 
-    def hbm_operands(inst: Instruction) -> set[int]:
-        # what the step reads from parameters and outputs, through the producers fused into it
+    def parameter_reads(inst: Instruction) -> tuple[set[int], list[Instruction]]:
+        # the parameters the step reads, through the producers fused into it, tuples, and the
+        # module outputs it reads (returned too): libtpu fuses an output with its later readers
+        # into one multi-output fusion (the optimizer's moment and parameter updates are one)
         out: set[int] = set()
+        through: list[Instruction] = []
         seen: set[Instruction] = set()
         todo = list(inst.operands)
         while todo:
@@ -300,19 +330,80 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
                 continue
             seen.add(o)
             bids = at.get(o, ())
-            if o.opcode == "parameter" or any(held[b] for b in bids):
-                out.update(b for b in bids if buffers[b].parameter >= 0 or buffers[b].output_indices)
-            else:
+            if o.opcode == "parameter":
+                out.update(b for b in bids if buffers[b].parameter >= 0)
+            elif o.opcode in ("tuple", "get-tuple-element") or not any(held[b] for b in bids):
                 todo.extend(o.operands)
-        out.update(b for b in at.get(inst, ()) if buffers[b].output_indices)
-        return out
+            elif any(buffers[b].output_indices for b in bids):
+                if o.shape.is_array and inst.shape.is_array and o.shape.dims == inst.shape.dims:
+                    through.append(o)  # a sibling output of one loop fusion: same iteration space
+                todo.extend(o.operands)
+        return out, through
 
+    # Prefetch windows: MSA copies a parameter into VMEM once, overlapping the copy with the
+    # compute step before its first reader, and keeps that copy until its last reader. Readers
+    # are the materialized steps (a fused-away instruction's reads are its consumer's), counted
+    # from the first step of the multi-output fusion they join, and loops, which read the
+    # parameters they carry from their first step on (libtpu hoists what the body does to the
+    # whole array, e.g. the bf16 cast of stacked weights, out of the loop).
+    group_first: dict[int, int] = {}  # step -> first step of its multi-output fusion
+    reads: list[tuple[int, set[int]]] = []
+    compute: list[int] = []
+    for t, inst in enumerate(lr.steps):
+        if inst.opcode == "while" and inst in lr.segments:
+            reads.append((lr.segments[inst][0], parameter_reads(inst)[0]))
+        if inst.opcode in _NO_PREFETCH or not any(held[b] for b in at.get(inst, ())):
+            continue
+        bids, through = parameter_reads(inst)
+        g = min([t] + [group_first.get(lr.time[o], lr.time[o]) for o in through if o in lr.time])
+        group_first[t] = g
+        reads.append((g, bids))
+        reads.append((t, bids))
+        compute.append(t)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for t, bids in sorted(reads, key=lambda r: r[0]):
+        k = bisect_left(compute, t)
+        prev = compute[k - 1] if k > 0 else 0
+        for b in bids:
+            first.setdefault(b, prev)
+            last[b] = max(last.get(b, t), t)
+    pdiff = [0] * (n + 1)
+    for b, s in first.items():
+        pdiff[s] += sizes[b]
+        pdiff[last[b] + 1] -= sizes[b]
+    prefetched = list(accumulate(pdiff[:-1]))
+
+    # Memory-space assignment places whole buffers: at a step whose movable temporaries exceed
+    # VMEM, what stays in HBM is what a largest-first placement cannot fit.
+    born: list[list[int]] = [[] for _ in range(n + 1)]
+    dies: list[list[int]] = [[] for _ in range(n + 1)]
+    for bid in movable:
+        born[start[bid]].append(sizes[bid])
+        dies[end[bid] + 1].append(sizes[bid])
+    live: Counter[int] = Counter()
     hbm_side, vmem_side = [], []
     for t, inst in enumerate(lr.steps):
-        hbm_side.append(hbm_bytes[t] + max(0, mov[t] - capacity_bytes))
-        pre = 0 if inst.opcode in _NO_PREFETCH else sum(sizes[b] for b in hbm_operands(inst))
-        vmem_side.append(base_bytes + fixed[t] + min(capacity_bytes, mov[t] + pre))
+        for s in dies[t]:
+            live[s] -= 1
+            if not live[s]:
+                del live[s]
+        for s in born[t]:
+            live[s] += 1
+        spilled = mov[t] - packed_bytes(live, capacity_bytes) if mov[t] > capacity_bytes else 0
+        hbm_side.append(hbm_bytes[t] + spilled)
+        vmem_side.append(base_bytes + fixed[t] + min(capacity_bytes, on_chip_mov[t] + prefetched[t]))
     return hbm_side, vmem_side
+
+
+def packed_bytes(live: Counter[int], capacity_bytes: int) -> int:
+    """Bytes of the live buffers (``{size: count}``) that fit ``capacity_bytes`` placed whole,
+    largest first."""
+    free = capacity_bytes
+    for size in sorted(live, reverse=True):
+        if 0 < size <= free:
+            free -= min(live[size], free // size) * size
+    return capacity_bytes - free
 
 
 #: steps that move no data through the core (MSA prefetches nothing for them)
@@ -473,4 +564,4 @@ def _info(module: Module, b: Buffer, size: int, cat: str, start: int, end: int) 
 
 
 __all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "ON_CHIP_MEMORY_SPACE", "PeakMemory", "categorize",
-           "msa_sides", "msa_timeline", "output_allocation_reuse"]
+           "msa_sides", "msa_timeline", "output_allocation_reuse", "packed_bytes"]
