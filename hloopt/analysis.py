@@ -98,23 +98,25 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
 
 
 def profile_module(module: Module, *, platform: str | None = None, schedule: str | None = None,
-                   code_bytes: int = 0, top: int = 10,
+                   code_bytes: int = 0, top: int = 10, on_chip_bytes: int | None = None,
+                   off_device: frozenset[str] = frozenset(),
                    am: AnalysisManager | None = None) -> tuple[MemoryProfile, dict[str, Any]]:
     """Run PeakMemory on ``module`` with :func:`settings_for`'s settings."""
     s = settings_for(module, platform=platform, schedule=schedule, code_bytes=code_bytes)
     if s["kind"] == "tpu-predicted":
-        from hloopt.passes.inline import inline_calls
+        from hloopt.passes.inline import forward_tuple_reads, inline_calls
 
         inlined = inline_calls(module)  # XLA inlines calls before it assigns buffers (as the planner)
         if inlined is not module:
-            module, am = inlined, None
+            module, am = forward_tuple_reads(inlined), None  # ... and simplifies the tuples left
         _apply_tpu_tiling(module)
     am = am or AnalysisManager(module)
     live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"])
     prof = am.get(PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
                              static_allocations=s["static_allocations"], code_bytes=s["code_bytes"],
                              reuse_output_allocations=s["reuse_output_allocations"],
-                             on_chip_heap=s["on_chip_heap"]))
+                             on_chip_heap=s["on_chip_heap"], off_device=off_device,
+                             **({} if on_chip_bytes is None else {"on_chip_bytes": on_chip_bytes})))
     return prof, s
 
 

@@ -95,25 +95,18 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     from hloopt.passes.liveness import Liveness
     from hloopt.passes.residuals import find_residuals
 
-    from hloopt.passes.inline import inline_calls
+    from hloopt.passes.inline import forward_tuple_reads, inline_calls
 
     pre_opt = not module.is_scheduled
     if pre_opt:
-        module = inline_calls(module)  # XLA inlines calls before it assigns buffers
+        inlined = inline_calls(module)  # XLA inlines calls before it assigns buffers
+        if inlined is not module:
+            module = forward_tuple_reads(inlined)  # ... and simplifies the tuples left
     am = AnalysisManager(module)
     liveness = Liveness(materialize="tpu-fusion" if pre_opt else "all")
     ranges = am.get(liveness)
     timeline = ranges.entry_timeline(ranges.bytes_per_step(memory_space=0))
     floor: list[int] = []
-    if pre_opt and profile.kind == "tpu" and profile.on_chip_heap_bytes:
-        # libtpu reports its VMEM heap when that peaks above the HBM one (small programs and
-        # steps whose working set fills VMEM): a floor under the HBM timeline the plan moves.
-        from hloopt.passes.memory import PeakMemory
-
-        mem = am.get(PeakMemory(liveness=liveness, on_chip_heap=True, on_chip_bytes=profile.on_chip_heap_bytes,
-                                outputs_whole_program=True, reuse_output_allocations=True))
-        if mem.on_chip_timeline_bytes is not None:
-            floor = ranges.entry_timeline(mem.on_chip_timeline_bytes)
     host = ranges.entry_timeline(ranges.bytes_per_step(memory_space=5))
     cost = CostAnalysis(profile=profile).run(module, am)
     entry = module.entry
@@ -123,7 +116,42 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     if names:
         residuals = residuals.with_names(dict(names))
     inputs = getattr(names, "checkpoint_inputs", frozenset())
+    if pre_opt and profile.kind == "tpu" and profile.on_chip_heap_bytes:
+        floor_bytes = _on_chip_floor(module, profile.on_chip_heap_bytes, max(timeline, default=0),
+                                     frozenset(r.inst.name for r in residuals))
+        if floor_bytes:
+            floor = [floor_bytes] * len(timeline)
     return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor)
+
+
+def _on_chip_floor(module: Module, on_chip_bytes: int, hbm_peak_bytes: int, residuals: frozenset[str]) -> int:
+    """libtpu's ``peak_memory_in_bytes`` is arguments + outputs + the larger of its HBM and VMEM
+    heaps. The VMEM heap holds temporaries (residuals among them) and prefetched operands; its
+    peak with every residual off the device (hloopt analyze's TPU prediction, passes/memory.py,
+    with ``off_device``) is a floor no plan goes under. With the linear HBM-side timeline the
+    Problem keeps, ``max(base + live, floor)`` is exact with everything on device and with
+    nothing, and below the model in between. 0 when the VMEM side cannot reach the HBM peak
+    (arguments + outputs + all of VMEM below it: every real model) or the VMEM heap is not full."""
+    from hloopt.analysis import profile_module
+    from hloopt.hlo.parser import parse_module
+    from hloopt.hlo.printer import print_module
+
+    entry = module.entry
+    assert entry is not None
+    fixed = sum(p.shape.byte_size for p in entry.parameters)
+    if entry.root is not None:
+        fixed += entry.root.shape.byte_size
+    if hbm_peak_bytes >= 2 * (fixed + on_chip_bytes):  # tiling can pad the fixed part; margin
+        return 0
+    # the prediction tiles shapes in place: on a copy
+    copy = parse_module(print_module(module), filename=f"<{module.name}>")
+    prof, _ = profile_module(copy, platform="tpu", on_chip_bytes=on_chip_bytes, off_device=residuals)
+    floor = max(prof.on_chip_timeline_bytes or [0])
+    # Only a full VMEM heap is a floor the model can vouch for: libtpu fills VMEM whenever the
+    # working set exceeds it (the small zoo: within 1.2%); the unfilled heaps of tiny programs
+    # hold copies the model does not predict (tests/test_preopt_accuracy.py).
+    full = prof.argument_bytes + prof.output_bytes + prof.static_bytes + prof.code_bytes + on_chip_bytes
+    return floor if floor >= full else 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,10 +610,12 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     names: dict[str, str] = {}
     as_written = None
     if tgt.kind == "jax":
-        from hloopt.passes.inline import inline_calls
+        from hloopt.passes.inline import forward_tuple_reads, inline_calls
 
         module, source = lower_for_plan(tgt, profile, platform=platform, compile=compile, progress=progress)
-        module = inline_calls(module)
+        inlined = inline_calls(module)
+        if inlined is not module:  # as analyze_module does
+            module = forward_tuple_reads(inlined)
         with progress("naming residuals (re-lowering with one-name policies)"):
             names = _names_for(tgt, module, profile, platform=platform)
     else:

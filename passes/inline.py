@@ -154,3 +154,33 @@ class InlineCalls:
 
     def run(self, module: Module) -> Module:
         return inline_calls(module)
+
+
+def forward_tuple_reads(module: Module) -> Module:
+    """In place: every read of ``get-tuple-element(tuple(a0, ..., an), k)`` reads ``ak`` itself,
+    and tuples and get-tuple-elements left without readers (not roots) are removed.
+
+    XLA's tuple simplification does this after call inlining, so a value an inlined callee
+    returned through its root tuple is read directly by its consumers (and can be fused into
+    them) instead of being held as a tuple element. Reads through ``opt-barrier`` are kept: the
+    barrier is what keeps ``jax.checkpoint``'s saved values apart. Returns ``module``.
+    """
+    with gc_paused():
+        for comp in module.computations.values():
+            changed = False
+            for inst in comp.instructions:
+                for k, o in enumerate(inst.operands):
+                    while (o.opcode == "get-tuple-element" and o.operands[0].opcode == "tuple"
+                           and 0 <= o.tuple_index < len(o.operands[0].operands)):
+                        o = o.operands[0].operands[o.tuple_index]
+                    if o is not inst.operands[k]:
+                        inst.operands[k] = o
+                        changed = True
+            while changed:
+                _finish(comp)
+                dead = {i for i in comp.instructions
+                        if not i.users and not i.is_root and i.opcode in ("tuple", "get-tuple-element")}
+                changed = bool(dead)
+                if changed:
+                    comp.instructions = [i for i in comp.instructions if i not in dead]
+    return module

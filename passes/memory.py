@@ -173,6 +173,9 @@ class PeakMemory(Analysis[MemoryProfile]):
     #: pre-optimization module (module docstring). v5e: 128 MiB per TensorCore less the 16 MiB
     #: scoped VMEM limit; the largest VMEM heap in libtpu's compiled small zoo is exactly this
     on_chip_bytes: int = 112 * 2**20
+    #: names of instructions whose values are taken off the device (not counted anywhere): what
+    #: the memory would be with those residuals offloaded at no cost (the planner's floor)
+    off_device: frozenset[str] = frozenset()
 
     def run(self, module: Module, am: AnalysisManager) -> MemoryProfile:
         lr = am.get(self.liveness)
@@ -186,6 +189,10 @@ class PeakMemory(Analysis[MemoryProfile]):
                 if start[b.id] >= 0 and b.on_device and _is_constant(b):
                     static += sizes[b.id]
                     start[b.id] = -1  # counted as static, not in the timeline
+        if self.off_device:
+            for b in lr.buffers:
+                if start[b.id] >= 0 and any(i.name in self.off_device for i, _ in b.values):
+                    start[b.id] = -1
         absorbed: set[int] = set()
         #: (start, end, bytes) of the temporaries inside output allocations: free in HBM, but
         #: memory-space assignment still places them in VMEM (they are S(1) in libtpu's module)

@@ -12,7 +12,8 @@ Two sources, one output:
   one step per layer).
 
 Categories of the plan's baseline: ``residuals`` is exactly what the simulator counts for the
-candidates at each step (``baseline - base_bytes``). The rest (``base_bytes``) is split like the
+candidates at each step, and ``on-chip heap`` what libtpu's VMEM heap adds above that where it is
+the larger heap (``Step.floor_bytes``). The rest (``base_bytes``) is split like the
 memory model (:func:`hloopt.passes.memory.categorize`) splits the buffers that hold no residual
 at the highest flat step of the step's entry instruction; where the two totals differ (the
 Problem counts stacked residuals per layer and per candidate), the difference is settled in
@@ -117,6 +118,8 @@ def memory_category_timeline(prof: Any, settings: Mapping[str, Any]) -> dict[str
 
         spaces = {b.memory_space for b in lr.buffers} - {HOST_MEMORY_SPACE}
         out = flat_category_bytes(lr, cats, start=counted, end=prof.counted_end, memory_spaces=spaces)
+        if getattr(prof, "on_chip_timeline_bytes", None) is not None:
+            _settle_msa(out, prof, fixed)
         return _checked(out, prof, fixed)
     start, end = list(lr.start), list(lr.end)
     if settings.get("static_allocations"):
@@ -128,6 +131,23 @@ def memory_category_timeline(prof: Any, settings: Mapping[str, Any]) -> dict[str
             if start[b.id] >= 0 and b.output_indices:
                 start[b.id], end[b.id] = 0, n - 1
     return _checked(flat_category_bytes(lr, cats, start=start, end=end), prof, fixed)
+
+
+def _settle_msa(out: dict[str, np.ndarray], prof: Any, fixed: int) -> None:
+    """Predicted memory-space assignment: the timeline is not a sum of buffers (VMEM holds some,
+    the larger heap counts). Per step, as PeakMemory settles its peak: bytes above the buffers'
+    sum are temporaries; bytes below come off temporaries, then activations, then gradients."""
+    n = prof.ranges.num_steps
+    total = sum(out.values(), np.zeros(n, dtype=np.int64)) + fixed
+    delta = np.asarray(prof.timeline_bytes, dtype=np.int64) - total
+    for c in ("temporaries", "activations", "gradients"):
+        out.setdefault(c, np.zeros(n, dtype=np.int64))
+    out["temporaries"] += np.maximum(delta, 0)
+    owed = np.maximum(-delta, 0)
+    for c in ("temporaries", "activations", "gradients"):
+        take = np.minimum(owed, out[c])
+        out[c] -= take
+        owed -= take
 
 
 def _checked(out: dict[str, np.ndarray], prof: Any, fixed: int) -> dict[str, np.ndarray]:
@@ -316,7 +336,15 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
     lr = an.ranges
     base = np.array([s.base_bytes for s in problem.steps], dtype=np.int64)
     baseline = np.asarray(outcome.baseline.timeline_bytes, dtype=np.int64)
-    residual = baseline - base
+    # every instance on device from its production to its last use (the all-device replay)
+    live = np.zeros(len(base) + 1, dtype=np.int64)
+    for c in problem.candidates:
+        for ins in c.instances:
+            live[ins.produced] += ins.bytes
+            live[ins.last_use + 1] -= ins.bytes
+    residual = np.cumsum(live[:-1])
+    # where libtpu's on-chip heap is the larger one (Step.floor_bytes), the rest of the line
+    on_chip = baseline - base - residual
     plan = outcome.plan
     res = outcome.result
     cats = categorize(lr)
@@ -345,6 +373,7 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
     else:  # labels do not map back to the entry: one category for everything not a candidate
         by_cat = {"other": base}
     by_cat["residuals"] = residual
+    by_cat["on-chip heap"] = on_chip
     by_cat = {c: [int(x) for x in by_cat[c]] for c in _ordered(by_cat) if by_cat[c].any()}
     peak = int(outcome.baseline.peak_step)
     live: list[LiveBuffer] = []
