@@ -56,7 +56,7 @@ class Offloaded(NamedTuple):
 
 
 def auto_offload(target: Any, *args: Any, device: Any = "tpu-v5e", budget: str | int | None = None,
-                 max_slowdown: float | None = None, solver: str = "auto", time_limit_s: float = 30.0,
+                 max_slowdown: float | None = None, solver: str = "auto", time_limit_s: float = 10.0,
                  compile: str | None = None, size: str | None = None, **factory_kwargs: Any) -> Offloaded:
     """Plan ``target``'s offloads for ``device`` within ``budget`` and rebuild it with the policy.
 

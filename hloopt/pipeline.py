@@ -599,7 +599,7 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
 
 def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None,
          max_slowdown: float | None = None, pareto: bool = False, platform: str | None = None,
-         compile: str | None = None, solver: str = "auto", time_limit_s: float = 30.0,
+         compile: str | None = None, solver: str = "auto", time_limit_s: float = 10.0,
          size: str | None = None, progress: Progress = _no_progress) -> PlanOutcome:
     """Run the whole pipeline on a TARGET (see the module docstring)."""
     from hloopt.search import search

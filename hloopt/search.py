@@ -122,7 +122,7 @@ def search(
     max_slowdown: float | None = None,
     pareto: bool = False,
     solver: str = "auto",
-    time_limit_s: float = 30.0,
+    time_limit_s: float = 10.0,
     pareto_points: int = 8,
 ) -> SearchResult:
     """Find the plan (see the module docstring). Exactly one mode: budget, slowdown or pareto."""

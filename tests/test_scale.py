@@ -208,10 +208,13 @@ def test_scan_and_unrolled_offer_the_search_the_same_named_candidates(both_forms
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "the all-saved peak of the unrolled form is 18% above the scanned one in the memory model "
-    "(69.2 vs 58.7 MB measured); XLA's own TPU v5e peaks differ too, the other way (unrolled "
-    "53.5 MB, scan 81.2 MB): the two forms are not one memory profile for either"))
-def test_scan_and_unrolled_peaks_within_5_percent(both_forms) -> None:  # type: ignore[no-untyped-def]
-    a, b = both_forms[True].baseline.peak_bytes, both_forms[False].baseline.peak_bytes
-    assert abs(a - b) <= 0.05 * max(a, b)
+def test_scan_and_unrolled_plans_decide_the_same_for_every_name(both_forms) -> None:  # type: ignore[no-untyped-def]
+    # The two forms' all-saved peaks differ (so do XLA's, libtpu 0.0.42 v5e, everything saved:
+    # scan 81.2 MB, unrolled 53.5 MB; the model: 79.3 and 57.4 MB), so budget plans may differ;
+    # the max-slowdown plans choose the same action for every name.
+    def actions(outcome) -> dict[str, str]:  # type: ignore[no-untyped-def]
+        return {c.name: outcome.decisions.action(c.key).value for c in outcome.problem.candidates if c.name}
+
+    scan, unrolled = actions(both_forms[True]), actions(both_forms[False])
+    assert scan == unrolled
+    assert set(scan.values()) - {"device"}, "the plan moves something"

@@ -19,9 +19,9 @@ from hloopt.cli.params import Percent, check_output, device_options, profile_fro
               help="Least peak with the step at most this much slower (3%).")
 @click.option("--pareto", is_flag=True, help="The frontier of peak vs step time.")
 @click.option("--solver", type=click.Choice(["auto", "milp", "heuristic"]), default="auto", show_default=True)
-@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True), default=30.0,
+@click.option("--time-limit", "time_limit_s", type=click.FloatRange(min=0, min_open=True), default=10.0,
               show_default=True,
-              help="Seconds the MILP solver may take.")
+              help="Seconds the MILP solver may take in all (a plan is always returned; raise it for a smaller gap).")
 @click.option("--platform", type=click.Choice(["tpu", "cuda", "cpu"]), default=None,
               help="Platform to lower for (default: the device's).")
 @click.option("--compile", "compile_target", default=None,
