@@ -14,7 +14,10 @@
    overlap layer ``i+1``'s compute. Each residual group one policy rule selects is a
    :class:`~hloopt.problem.Candidate` with one instance per layer. ``base_bytes`` is the
    analyzed timeline minus the candidates' own bytes, so replaying "all on device" reproduces the
-   analyzed peak.
+   analyzed peak. An instance has its buffer's bytes and reads as the timeline counts them
+   (stored size: TPU tiles, bf16 storage, nothing when fused away; read where a materialized
+   instruction reads it, through checkpoint tuples and fused readers), so a decision takes off
+   exactly what the timeline holds.
 
    *Stacked residuals* (a scan's ``[L, ...]`` buffers) are one instance per layer: layer ``i`` is
    produced in forward iteration ``i`` and read in backward iteration ``L-1-i``. Offloaded or
@@ -80,6 +83,9 @@ class Analyzed:
     #: per entry instruction, the on-chip (VMEM) side of libtpu's accounting that no offload
     #: lowers (predicted memory-space assignment, passes/memory.py); empty when not modeled
     floor_bytes: list[int] = field(default_factory=list)
+    #: instructions the timeline counts no buffer for (XLA fuses them into their readers,
+    #: passes/fusion_model.py, and storage views): their readers read through them
+    fused: frozenset[Instruction] = frozenset()
 
     @property
     def peak_bytes(self) -> int:
@@ -92,10 +98,10 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     """Liveness, residuals and roofline costs of one module, folded onto its entry schedule."""
     from hloopt.passes import AnalysisManager
     from hloopt.passes.cost import CostAnalysis
-    from hloopt.passes.liveness import Liveness
-    from hloopt.passes.residuals import find_residuals
-
+    from hloopt.passes.fusion_model import TpuFusion
     from hloopt.passes.inline import forward_tuple_reads, inline_calls
+    from hloopt.passes.liveness import Liveness, storage_views
+    from hloopt.passes.residuals import find_residuals
 
     pre_opt = not module.is_scheduled
     if pre_opt:
@@ -106,6 +112,9 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     liveness = Liveness(materialize="tpu-fusion" if pre_opt else "all")
     ranges = am.get(liveness)
     timeline = ranges.entry_timeline(ranges.bytes_per_step(memory_space=0))
+    fused = storage_views(ranges.steps)
+    if pre_opt:
+        fused = fused | am.get(TpuFusion()).fused  # what Liveness(materialize="tpu-fusion") fused
     floor: list[int] = []
     host = ranges.entry_timeline(ranges.bytes_per_step(memory_space=5))
     cost = CostAnalysis(profile=profile).run(module, am)
@@ -121,7 +130,7 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
                                      frozenset(r.inst.name for r in residuals))
         if floor_bytes:
             floor = [floor_bytes] * len(timeline)
-    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor)
+    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor, fused)
 
 
 def _on_chip_floor(module: Module, on_chip_bytes: int, hbm_peak_bytes: int, residuals: frozenset[str]) -> int:
@@ -265,6 +274,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     import numpy as np
 
     contrib = np.zeros(len(steps) + 1, dtype=np.int64)
+    counted: set[int] = set()  # buffer ids an instance already stands for
     candidates: list[Candidate] = []
     for key in sorted(groups, key=lambda k: (-sum(r.bytes for r in groups[k]), k)):
         rs = groups[key]
@@ -292,11 +302,12 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                     contrib[min(stack_start, ins.produced)] += ins.bytes
                     contrib[max(stack_end, ins.last_use) + 1] -= ins.bytes
             else:
-                produced = smap.at(r.position)
-                lfu = smap.last(r.forward_last_use) if r.forward_last_use > r.position else produced
-                fbu = smap.at(r.first_backward_use)
-                last_use = max(smap.last(r.last_use), fbu)
-                ins = Instance(r.bytes, produced, max(lfu, produced), max(fbu, produced), max(last_use, produced))
+                nbytes, (pos, fwd_last, bwd_first, last) = _as_counted(an, r, counted)
+                produced = smap.at(pos)
+                lfu = smap.last(fwd_last) if fwd_last > pos else produced
+                fbu = smap.at(bwd_first)
+                last_use = max(smap.last(last), fbu)
+                ins = Instance(nbytes, produced, max(lfu, produced), max(fbu, produced), max(last_use, produced))
                 instances.append(ins)
                 contrib[ins.produced] += ins.bytes
                 contrib[ins.last_use + 1] -= ins.bytes
@@ -438,6 +449,70 @@ def _name_marker(inst: Instruction) -> Instruction | None:
             return None
         inst = element
     return None
+
+
+_FORWARDING = frozenset({"tuple", "get-tuple-element", "bitcast", "domain", *_BARRIERS})
+
+
+def _as_counted(an: Analyzed, r: Any, counted: set[int]) -> tuple[int, tuple[int, int, int, int]]:
+    """A residual's bytes and (produced, last forward read, first backward read, last read), entry
+    indices, as the analyzed timeline counts its buffer, so that taking an instance off the device
+    takes off what the timeline holds.
+
+    The timeline (``Liveness`` on the materialized module) sizes a buffer as stored (TPU tiles,
+    f32 kept bf16, 0 when fused away, passes/fusion_model.py) and keeps it until its last
+    materialized reader; the residual analysis sees the HLO's value and its direct users, such as
+    the tuple ``jax.checkpoint`` hands its residuals through, or an elementwise op XLA fuses into
+    a later reader. Reads here are where the value is read in storage: through tuples, barriers
+    and their elements, views and fused readers, to the first instruction that materializes. A
+    buffer two residuals share counts once. Without a buffer (not an array): the HLO's figures."""
+    raw = (r.position, r.forward_last_use, r.first_backward_use, r.last_use)
+    lr = an.ranges
+    try:
+        b = lr.aliasing.buffer_at(r.inst, ())
+    except (KeyError, IndexError):
+        return r.bytes, raw
+    if b.id in counted or lr.start[b.id] < 0 or lr.size_bytes[b.id] == 0:
+        return 0, raw  # fused away: the timeline holds nothing a decision could take off
+    counted.add(b.id)
+    reads = sorted({lr.entry_step[t] for t in _storage_reads(an, r.inst)})
+    fwd = [e for e in reads if e < r.first_backward_use]
+    bwd = [e for e in reads if e >= r.first_backward_use]
+    last = max(r.last_use, lr.entry_step[lr.end[b.id]])
+    return lr.size_bytes[b.id], (min(r.position, lr.entry_step[lr.start[b.id]]),
+                                 max(fwd, default=r.forward_last_use),
+                                 min(bwd, default=r.first_backward_use), last)
+
+
+def _storage_reads(an: Analyzed, inst: Instruction) -> list[int]:
+    """Flat steps of the materialized instructions that read ``inst``'s value (see _as_counted)."""
+    time = an.ranges.time
+    out: list[int] = []
+    seen: set[tuple[int, int]] = set()
+    todo: list[tuple[Instruction, int]] = [(inst, -1)]  # (holder, tuple index of the value or -1)
+    while todo:
+        v, k = todo.pop()
+        for u in v.users:
+            if (id(u), k) in seen or u not in time:
+                continue
+            seen.add((id(u), k))
+            if k >= 0:  # v is a tuple holding the value at index k
+                if u.opcode == "get-tuple-element":
+                    if u.tuple_index == k:
+                        todo.append((u, -1))
+                elif u.opcode in _BARRIERS:
+                    todo.append((u, k))
+                else:  # a loop, call or output reads the whole tuple
+                    out.append(time[u])
+            elif u.opcode == "tuple":
+                for j, o in enumerate(u.operands):
+                    if o is v:
+                        todo.append((u, j))
+            elif u.opcode in _FORWARDING or u in an.fused:
+                todo.append((u, -1))
+            else:
+                out.append(time[u])
+    return out
 
 
 def _is_input(inst: Instruction) -> bool:
