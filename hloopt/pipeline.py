@@ -244,6 +244,8 @@ def _tuple_element(inst: Instruction) -> Instruction | None:
 def build_problem(an: Analyzed, profile: DeviceProfile, *,
                   prefetch_window_steps: int | None = None) -> tuple[Problem, StepMap]:
     """Turn an analyzed module into the simulator's and solvers' :class:`Problem`."""
+    from hloopt.passes.fusion_model import FUSIBLE
+
     module = an.module
     entry = module.entry
     assert entry is not None
@@ -328,6 +330,8 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         candidates.append(Candidate(
             key=key, name=name, selector=selector, instances=tuple(instances), allowed=allowed,
             remat_s=remat_s, source=_op_source(an, r0), shape=_instance_shape(r0),
+            remat_fused=Action.REMAT in allowed and all(
+                r.layers <= 1 and _recomputed_op(r.producer).opcode in FUSIBLE for r in rs),
             primitive=_selector_primitive(r0),
             dot_has_batch_dims=prod.opcode == "dot" and bool(prod.attr_ints("lhs_batch_dims")),
         ))

@@ -91,6 +91,9 @@ class Candidate:
     primitive: str = ""
     #: For dot_general producers: whether the dot has batch dimensions.
     dot_has_batch_dims: bool = False
+    #: The recomputation is elementwise, which XLA fuses into every backward reader: under REMAT
+    #: the value is never stored again after its last forward use (no second device interval).
+    remat_fused: bool = False
 
     @property
     def bytes(self) -> int:

@@ -195,11 +195,12 @@ def test_scan_and_unrolled_agree_on_every_name_both_find(both_forms) -> None:  #
 
 @pytest.mark.slow
 def test_scan_and_unrolled_offer_the_search_the_same_named_candidates(both_forms) -> None:  # type: ignore[no-untyped-def]
-    # Same bytes per layer instance, same layer count, same allowed actions for every name. (The
-    # decisions themselves are not compared: the memory model's all-saved peaks and step times of
-    # the two forms differ -- see the xfail below -- and max-slowdown plans have ties.)
+    # Same layer count and same allowed actions for every name (the decisions: the next test).
+    # Instance bytes are what the TPU stores: an unrolled value read only by dots is stored bf16
+    # (passes/fusion_model.py), a scan's stacked residual at its HLO size (libtpu narrows some
+    # stacks too; not modeled), so bytes are compared on the HLO values (test above).
     def named(outcome) -> Counter[tuple]:  # type: ignore[no-untyped-def]
-        return Counter((c.name, tuple(i.bytes for i in c.instances), tuple(sorted(a.value for a in c.allowed)))
+        return Counter((c.name, len(c.instances), tuple(sorted(a.value for a in c.allowed)))
                        for c in outcome.problem.candidates if c.name)
 
     scan, unrolled = named(both_forms[True]), named(both_forms[False])

@@ -169,6 +169,22 @@ def test_lower_bounds_hand_case():
     assert lower_bound_time(p) == pytest.approx(5 * MS)
 
 
+def test_fused_remat_is_never_stored_again():
+    # 1 MB produced at 0, read forward at 1, backward at 4 and 5: a remat stores it again from 4
+    # to 5 unless the recomputation is fused into those readers (remat_fused).
+    import dataclasses
+
+    p = problem(6, [Instance(MB, 0, 1, 4, 5)], remat_s=0.5 * MS)
+    stored = simulate(p, Decisions({"c0": Action.REMAT}))
+    assert stored.timeline_bytes == [BASE + MB, BASE + MB, BASE, BASE, BASE + MB, BASE + MB]
+    fused = dataclasses.replace(p, candidates=(dataclasses.replace(p.candidates[0], remat_fused=True),))
+    r = simulate(fused, Decisions({"c0": Action.REMAT}))
+    assert r.timeline_bytes == [BASE + MB, BASE + MB, BASE, BASE, BASE, BASE]
+    assert r.step_time_s == pytest.approx(stored.step_time_s) == pytest.approx(6.5 * MS)
+    assert lower_bound_peak(fused) == BASE + MB and lower_bound_peak(p) == BASE + MB
+    assert simulate(fused, offload_all(fused)).timeline_bytes[4:] == [BASE + MB, BASE + MB]
+
+
 def test_floor_bounds_every_step_and_offloading_cannot_go_under_it():
     # 6 steps; the on-chip side counts BASE + 1.5 MB at steps 2..3 whatever is decided.
     floor = 3 * MB // 2
@@ -205,7 +221,8 @@ def problems(draw, max_steps=24, max_inst=8):
         allowed = draw(st.sampled_from([ALL, frozenset({Action.DEVICE, Action.OFFLOAD}),
                                         frozenset({Action.DEVICE, Action.REMAT}), frozenset({Action.DEVICE})]))
         cands.append(Candidate(f"c{k}", None, "", (Instance(draw(st.integers(1, 8)) * MB, p, lfu, fbu, lu),),
-                               allowed=allowed, remat_s=draw(st.sampled_from([0.0, 1e-3]))))
+                               allowed=allowed, remat_s=draw(st.sampled_from([0.0, 1e-3])),
+                               remat_fused=draw(st.booleans())))
     rate = draw(st.sampled_from([1e8, 1e9, 1e10]))
     frac = draw(st.sampled_from([1.0, 0.5]))
     return Problem(steps, tuple(cands), rate, rate, rate * frac, rate * frac,
@@ -301,8 +318,10 @@ def test_more_bandwidth_is_never_slower(pd, factor):
 def test_infinite_bandwidth_reaches_lower_bound(p):
     ideal = with_rates(p, math.inf, latency=0.0)
     acts = {}
-    for c in p.candidates:
-        if Action.OFFLOAD in c.allowed:
+    for c in p.candidates:  # a fused remat frees the most; then offload; then remat
+        if Action.REMAT in c.allowed and c.remat_fused:
+            acts[c.key] = Action.REMAT
+        elif Action.OFFLOAD in c.allowed:
             acts[c.key] = Action.OFFLOAD
         elif Action.REMAT in c.allowed:
             acts[c.key] = Action.REMAT
@@ -312,7 +331,9 @@ def test_infinite_bandwidth_reaches_lower_bound(p):
     spans = []
     for c in p.candidates:
         for x in c.instances:
-            if c.key in acts:
+            if acts.get(c.key) == Action.REMAT and c.remat_fused:
+                spans.append((x.bytes, [(x.produced, x.last_forward_use)]))
+            elif c.key in acts:
                 spans.append((x.bytes, [(x.produced, x.last_forward_use), (x.first_backward_use, x.last_use)]))
             else:
                 spans.append((x.bytes, [(x.produced, x.last_use)]))
