@@ -104,11 +104,11 @@ def profile_module(module: Module, *, platform: str | None = None, schedule: str
     """Run PeakMemory on ``module`` with :func:`settings_for`'s settings."""
     s = settings_for(module, platform=platform, schedule=schedule, code_bytes=code_bytes)
     if s["kind"] == "tpu-predicted":
-        from hloopt.passes.inline import forward_tuple_reads, inline_calls
+        from hloopt.passes.inline import inline_for_assignment
 
-        inlined = inline_calls(module)  # XLA inlines calls before it assigns buffers (as the planner)
+        inlined = inline_for_assignment(module)  # as XLA does before it assigns buffers (and the planner)
         if inlined is not module:
-            module, am = forward_tuple_reads(inlined), None  # ... and simplifies the tuples left
+            module, am = inlined, None
         _apply_tpu_tiling(module)
     am = am or AnalysisManager(module)
     live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"])

@@ -80,16 +80,16 @@ class Analyzed:
     cost: Any
     #: checkpoint_names that name a checkpoint's own input (hloopt.naming.ResidualNames): no remat
     checkpoint_inputs: frozenset[str] = frozenset()
-    #: per entry instruction, the on-chip (VMEM) side of libtpu's accounting that no offload
-    #: lowers (predicted memory-space assignment, passes/memory.py); empty when not modeled
-    floor_bytes: list[int] = field(default_factory=list)
+    #: the on-chip (VMEM) side of libtpu's accounting that no offload lowers, at every step
+    #: (predicted memory-space assignment, passes/memory.py); 0 when not modeled
+    floor_bytes: int = 0
     #: instructions the timeline counts no buffer for (XLA fuses them into their readers,
     #: passes/fusion_model.py, and storage views): their readers read through them
     fused: frozenset[Instruction] = frozenset()
 
     @property
     def peak_bytes(self) -> int:
-        return max(max(self.timeline_bytes, default=0), max(self.floor_bytes, default=0))
+        return max(max(self.timeline_bytes, default=0), self.floor_bytes)
 
 
 @gc_paused()  # builds long-lived analyses of a possibly huge module (hloopt.ir.gc_paused)
@@ -99,15 +99,13 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     from hloopt.passes import AnalysisManager
     from hloopt.passes.cost import CostAnalysis
     from hloopt.passes.fusion_model import TpuFusion
-    from hloopt.passes.inline import forward_tuple_reads, inline_calls
+    from hloopt.passes.inline import inline_for_assignment
     from hloopt.passes.liveness import Liveness, storage_views
     from hloopt.passes.residuals import find_residuals
 
     pre_opt = not module.is_scheduled
     if pre_opt:
-        inlined = inline_calls(module)  # XLA inlines calls before it assigns buffers
-        if inlined is not module:
-            module = forward_tuple_reads(inlined)  # ... and simplifies the tuples left
+        module = inline_for_assignment(module)  # as XLA does before it assigns buffers
     am = AnalysisManager(module)
     liveness = Liveness(materialize="tpu-fusion" if pre_opt else "all")
     ranges = am.get(liveness)
@@ -115,7 +113,6 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     fused = storage_views(ranges.steps)
     if pre_opt:
         fused = fused | am.get(TpuFusion()).fused  # what Liveness(materialize="tpu-fusion") fused
-    floor: list[int] = []
     host = ranges.entry_timeline(ranges.bytes_per_step(memory_space=5))
     cost = CostAnalysis(profile=profile).run(module, am)
     entry = module.entry
@@ -125,11 +122,10 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     if names:
         residuals = residuals.with_names(dict(names))
     inputs = getattr(names, "checkpoint_inputs", frozenset())
+    floor = 0
     if pre_opt and profile.kind == "tpu" and profile.on_chip_heap_bytes:
-        floor_bytes = _on_chip_floor(module, profile.on_chip_heap_bytes, max(timeline, default=0),
-                                     frozenset(r.inst.name for r in residuals))
-        if floor_bytes:
-            floor = [floor_bytes] * len(timeline)
+        floor = _on_chip_floor(module, profile.on_chip_heap_bytes, max(timeline, default=0),
+                               frozenset(r.inst.name for r in residuals))
     return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor, fused)
 
 
@@ -268,7 +264,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         for k in range(n):
             label = inst.name if n == 1 else f"{inst.name}[{k}]"
             steps.append(Step(an.step_s[e] / n, an.timeline_bytes[e], label, e >= backward_start,
-                              an.floor_bytes[e] if an.floor_bytes else 0))
+                              an.floor_bytes))
     smap = StepMap(first, count)
 
     groups = candidate_groups(residuals)
@@ -605,6 +601,15 @@ def resolve_budget(spec: str | None, baseline_peak_bytes: int) -> int | None:
     return int(b.bytes)
 
 
+def resolve_mode(budget: str | None, max_slowdown: float | None, pareto: bool,
+                 baseline_peak_bytes: int) -> tuple[int | None, str]:
+    """The budget in bytes (or None) and the search mode: "pareto", "budget" or "max-slowdown"."""
+    budget_bytes = resolve_budget(budget, baseline_peak_bytes)
+    if budget_bytes is None and max_slowdown is None and not pareto:
+        raise UserError("say what to optimize: --budget SIZE|PCT, --max-slowdown PCT, or --pareto")
+    return budget_bytes, "pareto" if pareto else ("budget" if budget_bytes is not None else "max-slowdown")
+
+
 def run_anchors(problem: Problem) -> list[AnchorResult]:
     from hloopt.anchors import ANCHORS, expressible
     from hloopt.simulator import simulate
@@ -689,12 +694,10 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     names: dict[str, str] = {}
     as_written = None
     if tgt.kind == "jax":
-        from hloopt.passes.inline import forward_tuple_reads, inline_calls
+        from hloopt.passes.inline import inline_for_assignment
 
         module, source = lower_for_plan(tgt, profile, platform=platform, compile=compile, progress=progress)
-        inlined = inline_calls(module)
-        if inlined is not module:  # as analyze_module does
-            module = forward_tuple_reads(inlined)
+        module = inline_for_assignment(module)  # as analyze_module does
         with progress("naming residuals (re-lowering with one-name policies)"):
             names = _names_for(tgt, module, profile, platform=platform)
     else:
@@ -713,10 +716,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
             problem = probe_rules(tgt, problem, names.values(), platform=platform or (
                 "tpu" if profile.kind == "tpu" else "cuda"))
     baseline = simulate(problem, Decisions.all_device())
-    budget_bytes = resolve_budget(budget, baseline.peak_bytes)
-    if budget_bytes is None and max_slowdown is None and not pareto:
-        raise UserError("say what to optimize: --budget SIZE|PCT, --max-slowdown PCT, or --pareto")
-    mode = "pareto" if pareto else ("budget" if budget_bytes is not None else "max-slowdown")
+    budget_bytes, mode = resolve_mode(budget, max_slowdown, pareto, baseline.peak_bytes)
     t0 = time.perf_counter()
     with progress(f"searching {len(problem.candidates)} candidates"):
         sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,

@@ -165,7 +165,7 @@ def plan_per_device(target: Any, *, profile: DeviceProfile, budget: str | None =
 
     ``pd`` reuses a :func:`per_device` result; ``timings`` (a dict) receives seconds per stage.
     """
-    from hloopt.pipeline import (PlanOutcome, analyze_module, build_problem, make_plan, resolve_budget,
+    from hloopt.pipeline import (PlanOutcome, analyze_module, build_problem, make_plan, resolve_mode,
                                  run_anchors)
     from hloopt.problem import Decisions
     from hloopt.search import search
@@ -184,10 +184,7 @@ def plan_per_device(target: Any, *, profile: DeviceProfile, budget: str | None =
     if not problem.candidates:
         raise UserError(f"{tgt.name}: found no forward->backward residuals in the per-device program")
     baseline = simulate(problem, Decisions.all_device())
-    budget_bytes = resolve_budget(budget, baseline.peak_bytes)
-    if budget_bytes is None and max_slowdown is None and not pareto:
-        raise UserError("say what to optimize: --budget SIZE|PCT, --max-slowdown PCT, or --pareto")
-    mode = "pareto" if pareto else ("budget" if budget_bytes is not None else "max-slowdown")
+    budget_bytes, mode = resolve_mode(budget, max_slowdown, pareto, baseline.peak_bytes)
     t1 = time.perf_counter()
     sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,
                 solver=solver, time_limit_s=time_limit_s)

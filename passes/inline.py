@@ -156,6 +156,13 @@ class InlineCalls:
         return inline_calls(module)
 
 
+def inline_for_assignment(module: Module) -> Module:
+    """What XLA does to calls before it assigns buffers: :func:`inline_calls`, then
+    :func:`forward_tuple_reads` on the new module. ``module`` itself when it has no calls."""
+    inlined = inline_calls(module)
+    return module if inlined is module else forward_tuple_reads(inlined)
+
+
 def forward_tuple_reads(module: Module) -> Module:
     """In place: every read of ``get-tuple-element(tuple(a0, ..., an), k)`` reads ``ak`` itself,
     and tuples and get-tuple-elements left without readers (not roots) are removed.

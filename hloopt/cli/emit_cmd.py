@@ -59,10 +59,10 @@ def _module_text(plan: object, hlo_file: str | None) -> object:
         assert target.text is not None
         # Parsed here so that a parse error names the file (annotate_hlo would say <module name>).
         return parse_module(target.text, filename=str(target.path or target.name))
-    from hloopt.passes.inline import inline_calls
+    from hloopt.passes.inline import inline_for_assignment
     from hloopt.pipeline import lower_for_plan
 
     # The plan's values name instructions of the module it was made on: the step lowered with
     # every residual saved, calls inlined (hloopt.pipeline.lower_for_plan, analyze_module).
     module, _ = lower_for_plan(target, plan.device_profile())  # type: ignore[attr-defined]
-    return module if module.is_scheduled else inline_calls(module)
+    return module if module.is_scheduled else inline_for_assignment(module)
