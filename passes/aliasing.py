@@ -29,7 +29,11 @@ What aliases (everything else defines a value):
 * the module's ``input_output_alias`` (donation): the output position and the parameter share.
 * async pairs: ``copy-start`` is (destination, source, context): {1} = the operand, {0} and {2}
   are new; ``copy-done`` = start {0}. Generic ``async-start`` ((operands), outputs, context):
-  {0,k} = operand k; ``*-done`` = start {1} (or the start itself when it is not a tuple).
+  {0,k} = operand k; ``*-done`` = start {1} (or the start itself when it is not a tuple). An
+  async in-place update (``dynamic-update-slice-start``, or an ``async-start`` wrapping a
+  dynamic-update-slice/scatter of its parameter 0) also has {1} = operand 0: always, not only with
+  ``in_place``, since the start holds its operand until the done (buffer assignment's one
+  allocation for the pair).
 
 Only computations reached from the entry through ``while``/``conditional``/``call`` are visited;
 reducers, fusion bodies and async-wrapped computations are code, not storage.
@@ -306,6 +310,14 @@ class _Builder:
             elif len(ops) == 1 or op != "async-start":
                 for idx in self._offsets(ops[0])[0]:
                     self.alias(inst, (0,) + idx, ops[0], idx)
+            # An asynchronous in-place update (libtpu's dynamic-update-slice-start into a host
+            # stack) writes its result into operand 0's buffer. Unlike the synchronous one it is
+            # shared even without ``in_place``: the start keeps its operand alive until the done,
+            # so two buffers would overlap for the whole transfer, and buffer assignment gives
+            # them one allocation (libtpu's dump: the AllocateBuffer and every update of the stack
+            # at one offset).
+            if len(inst.shape.tuple_shapes) >= 2 and _async_in_place(inst):
+                self.share_in_place(inst, (1,), ops[0])
         elif op == "async-update" and ops:
             self.alias_all(inst, ops[0])
         elif op.endswith("-done") and ops:
@@ -529,6 +541,25 @@ class _Builder:
         ends = list(self.base.values())[1:] + [n]
         position_buffers = {inst: tuple(bid[base:end]) for (inst, base), end in zip(self.base.items(), ends)}
         return Aliasing(self.module, buffers, comps, position_buffers)
+
+
+def _async_in_place(start: Instruction) -> bool:
+    """Whether an async start wraps an update of its operand 0 in place (its output {1} is that
+    operand's buffer): ``dynamic-update-slice-start`` / ``scatter-start``, or a generic
+    ``async-start`` whose computation's root is such an update of parameter 0."""
+    out = start.shape.tuple_shapes[1]
+    if out.is_tuple or start.operands[0].shape.is_tuple or start.operands[0].shape.dims != out.dims:
+        return False
+    if start.opcode in ("dynamic-update-slice-start", "scatter-start"):
+        return True
+    if start.opcode != "async-start":
+        return False
+    comp = (start.called.get("calls") or [None])[0]
+    root = None if comp is None or comp.root is None else _through_bitcasts(comp.root)
+    if root is None or root.opcode not in _IN_PLACE or not root.operands:
+        return False
+    src = _through_bitcasts(root.operands[0])
+    return src.opcode == "parameter" and src.parameter_number == 0
 
 
 def _through_bitcasts(inst: Instruction) -> Instruction:

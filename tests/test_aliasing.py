@@ -247,3 +247,42 @@ ENTRY e {
     assert a.buffer_at(e["st"], (0,)).is_tuple_table
     assert a.buffer_at(e["d"]) is a.buffer_at(e["st"], (1,))
     assert a.buffer_at(e["d"]).size_bytes == 64
+
+
+_ASYNC_DUS = """
+HloModule m
+upd {
+  q = f32[4,16]{1,0:S(5)} parameter(0)
+  u = f32[1,16]{1,0} parameter(1)
+  i = s32[] parameter(2)
+  z = s32[] parameter(3)
+  ROOT d = f32[4,16]{1,0:S(5)} dynamic-update-slice(q, u, i, z)
+}
+ENTRY e {
+  x = f32[1,16]{1,0} parameter(0)
+  c0 = s32[] constant(0)
+  buf = f32[4,16]{1,0:S(5)} custom-call(), custom_call_target="AllocateBuffer"
+  st = ((f32[4,16]{1,0:S(5)}, f32[1,16]{1,0}, s32[], s32[]), f32[4,16]{1,0:S(5)}, u32[]) %OP%(buf, x, c0, c0)%CALLS%
+  ROOT d = f32[4,16]{1,0:S(5)} %DONE%(st)
+}"""
+
+
+def test_async_in_place_update_writes_into_its_operand_buffer() -> None:
+    """libtpu's offload into a host stack: AllocateBuffer, then dynamic-update-slice-start/done.
+    The result is the allocated buffer (one host allocation in libtpu's buffer assignment), with
+    or without ``in_place``; an async-start wrapping a non-in-place op gets a fresh {1}."""
+    for op, calls, done in (("dynamic-update-slice-start", "", "dynamic-update-slice-done"),
+                            ("async-start", ", calls=upd", "async-done")):
+        for in_place in (False, True):
+            m, a = alias(_ASYNC_DUS.replace("%OP%", op).replace("%CALLS%", calls).replace("%DONE%", done),
+                         in_place=in_place)
+            e = m.entry
+            assert a.buffer_at(e["st"], (1,)) is a.buffer_at(e["buf"]), (op, in_place)
+            assert a.buffer_at(e["d"]) is a.buffer_at(e["buf"])
+            assert a.buffer_at(e["buf"]).memory_space == 5
+    # the same wrapper around an op that is not in place: the output is its own buffer
+    text = _ASYNC_DUS.replace("%OP%", "async-start").replace("%CALLS%", ", calls=upd").replace("%DONE%", "async-done")
+    text = text.replace("ROOT d = f32[4,16]{1,0:S(5)} dynamic-update-slice(q, u, i, z)",
+                        "ROOT d = f32[4,16]{1,0:S(5)} negate(q)")
+    m, a = alias(text)
+    assert a.buffer_at(m.entry["st"], (1,)) is not a.buffer_at(m.entry["buf"])

@@ -31,8 +31,12 @@ MODELS = ("mlp", "convnet", "gpt2", "llama", "sharded")
 
 #: measured relative error of our TPU-compiled peak (libtpu 0.0.42, jax 0.10.2), where > 0.5%
 TPU_PEAK_MISSES: dict[str, float] = {}
-#: measured relative error of host bytes, where > 1%
-TPU_HOST_MISSES = {"sharded.offload": +0.143}
+#: measured relative error of host bytes, where > 1%. sharded.offload (2 layers: XLA unrolls the
+#: scan) holds 4 offloaded stacks of 32 KiB in libtpu's one host allocation (its buffer-assignment
+#: dump: "cmem Total bytes: 131072", every update of a stack at its AllocateBuffer's offset), which is
+#: what we count; ``host_temp_size_in_bytes`` says 229,376 (7 stacks). With 3 layers (a while loop)
+#: both figures are 4 stacks and we match them: test_tpu_host_bytes_match_libtpus_buffer_assignment.
+TPU_HOST_MISSES = {"sharded.offload": -0.429}
 
 STEMS = [m + v for m in MODELS for v in ("", ".offload")]
 
@@ -171,3 +175,26 @@ def test_small_llama_recompiled_matches_the_recorded_figures() -> None:
     assert lowered.memory["peak_memory_in_bytes"] == recorded["peak_memory_in_bytes"]
     report = analyze(parse_module(lowered.compiled_text), xla=lowered.memory)
     assert report.peak_bytes == pytest.approx(lowered.memory["peak_memory_in_bytes"], rel=0.005)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.parametrize("n_layers", [2, 3])
+def test_tpu_host_bytes_match_libtpus_buffer_assignment(n_layers: int, tmp_path: Path) -> None:
+    """Offloaded scan stacks (AllocateBuffer, then an async dynamic-update-slice per layer into
+    host memory): our host bytes equal the host (cmem, color 5) allocation in libtpu's own
+    buffer-assignment dump, and ``host_temp_size_in_bytes`` where libtpu's two figures agree
+    (3 layers, a while loop; 2 layers are unrolled and memory_analysis reports more)."""
+    from fixtures.zoo import OFFLOAD_NAMES, sharded
+    from fixtures.zoo._common import offload_policy
+    from hloopt.lowering import lower
+
+    step, args = sharded.make("tiny", policy=offload_policy(OFFLOAD_NAMES["sharded"]), n_layers=n_layers)
+    lowered = lower(step, *args, platform="tpu", compile="tpu-v5e", dump_dir=tmp_path)
+    report_txt = next(tmp_path.glob("*after_optimizations-memory-usage-report.txt")).read_text()
+    cmem = int(re.search(r"\(color=5\)\nTotal bytes: (\d+)", report_txt).group(1))  # type: ignore[union-attr]
+    ours = analyze(next(tmp_path.glob("*after_optimizations.txt"))).profile.host_bytes
+    assert ours == cmem > 0
+    assert lowered.memory is not None
+    if n_layers == 3:
+        assert ours == lowered.memory["host_temp_size_in_bytes"]
