@@ -20,9 +20,14 @@ Three models, each checked against libtpu's compiled modules of the zoo (``fixtu
 * **Shards** (:func:`propagate_shardings`): an SPMD module's per-device shape of a value is its
   global shape divided by the tile counts of its sharding. Shardings are written on entry
   parameters and ``Sharding`` custom-calls; they are propagated forward (elementwise ops take the
-  most-split operand, broadcast/transpose/reshape/reduce/dot map dimensions, loop state and
-  tuples carry them through), the way XLA's sharding propagation resolves the common cases.
-  Reshards the SPMD partitioner adds (all-gathers of a weight before a matmul) are not modeled.
+  most-split operand, broadcast/transpose/reshape/reduce/dot map dimensions, a
+  dynamic-update-slice takes its update's split, tuples carry them through). Loop state is the
+  most split of the init and the body's result, to a fixed point (a scan's gradient accumulator
+  starts as replicated zeros and is added sharded gradients: it is sharded, and so are the zeros
+  broadcast into it), the way XLA's sharding propagation resolves the common cases. Reshards
+  the SPMD partitioner adds (all-gathers of a weight before a matmul) are not modeled. A module
+  that is already partitioned (:func:`is_partitioned`: XLA's per-device module, shapes already
+  shards) is not divided again.
 * **Fusion** (:func:`fused_instructions`): an instruction is *fused away* (holds no HBM buffer;
   its readers read its inputs instead) when it is a cheap elementwise or data-movement op that
   XLA's instruction fusion puts into its consumers: elementwise math, converts, broadcasts, iotas,
@@ -213,17 +218,43 @@ def _reshape_split(src: tuple[int, ...], src_dims: tuple[int, ...], dst_dims: tu
     return tuple(out)
 
 
+#: what only an SPMD-partitioned (per-device) module holds: the partitioner's collectives and
+#: partition ids (a global module's are inside ``shard_map`` bodies, between the Sharding markers)
+_PARTITIONED_OPS = frozenset({"partition-id", "all-reduce", "all-reduce-start", "all-gather", "all-gather-start",
+                              "reduce-scatter", "all-to-all", "collective-permute", "collective-permute-start"})
+
+
+def is_partitioned(module: Module) -> bool:
+    """Whether ``module`` is already per-device (XLA's module after ``spmd-partitioning``): its
+    shapes are shards and its ``sharding=`` attributes describe them, not divide them. Told by
+    collectives or a partition id without the ``Sharding`` markers of the global text."""
+    seen_partitioned = False
+    for inst in module.instructions():
+        if inst.opcode == "custom-call" and inst.custom_call_target in _IDENTITY_CALLS:
+            return False
+        if inst.opcode in _PARTITIONED_OPS:
+            seen_partitioned = True
+    return seen_partitioned
+
+
 def propagate_shardings(module: Module) -> dict[Instruction, Split]:
-    """Tile counts of every instruction's value (module docstring); absent/None: replicated."""
+    """Tile counts of every instruction's value (module docstring); absent/None: replicated.
+    Nothing for a module that is already partitioned (:func:`is_partitioned`)."""
     split: dict[Instruction, Split] = {}
-    done: set[Computation] = set()
+    if is_partitioned(module):
+        return split
+    #: the parameter splits each computation was last visited with (a loop body is visited again
+    #: when its state's sharding grows)
+    seen: dict[Computation, list[Split] | None] = {}
 
     def array(inst: Instruction, k: int = 0) -> tuple[int, ...]:
         o = inst.operands[k]
         return _array_split(split.get(o), len(o.shape.dims) if o.shape.is_array else 0)
 
     def visit(comp: Computation, params: list[Split] | None) -> None:
-        done.add(comp)
+        if comp in seen and seen[comp] == params:
+            return
+        seen[comp] = params
         for inst in comp.instructions:
             s = _infer(inst, params)
             if s is not None:
@@ -247,17 +278,32 @@ def propagate_shardings(module: Module) -> dict[Instruction, Split]:
         if op == "tuple":
             return tuple(split.get(o) for o in inst.operands)
         if op == "while":
+            # Loop state takes the most split of what enters and what the body hands back (a
+            # gradient accumulator starts as replicated zeros and is added sharded gradients),
+            # to a fixed point; zeros broadcast into the init take the state's sharding too.
             init = split.get(inst.operands[0]) if inst.operands else None
-            for c in inst.called.get("condition", []) + inst.called.get("body", []):
-                if c not in done:
-                    visit(c, [init])
-            return init
+            state = init
+            body = (inst.called.get("body") or [None])[0]
+            for _ in range(4):
+                for c in inst.called.get("condition", []) + inst.called.get("body", []):
+                    visit(c, [state])
+                merged = _merge_split(state, split.get(body.root) if body is not None and body.root else None)
+                if merged == state:
+                    break
+                state = merged
+            if state != init and inst.operands and inst.operands[0].opcode == "tuple":
+                for k, o in enumerate(inst.operands[0].operands):
+                    leaf = state[k] if isinstance(state, tuple) and not _is_leaf(state) and k < len(state) else None
+                    if _is_leaf(leaf) and o.opcode in ("broadcast", "constant") and o.sharding is None \
+                            and math.prod(_array_split(split.get(o), len(leaf))) < math.prod(leaf):
+                        split[o] = leaf
+                split[inst.operands[0]] = state
+            return state
         if op in ("call", "conditional"):
             result: Split = None
             callees = inst.called.get("to_apply", []) + inst.called.get("calls", [])
-            for c in callees:
-                if c not in done:
-                    visit(c, [split.get(o) for o in inst.operands])
+            for c in callees:  # a callee shared by call sites takes each site's shardings in turn
+                visit(c, [split.get(o) for o in inst.operands])
                 if c.root is not None:
                     result = split.get(c.root)
             return result
@@ -301,6 +347,13 @@ def propagate_shardings(module: Module) -> dict[Instruction, Split]:
             for d in range(rank):
                 out.append(1 if d in offsets else next(it, 1))
             return tuple(out)
+        if op == "dynamic-update-slice" and len(inst.operands) > 1 and inst.operands[1].shape.is_array \
+                and len(inst.operands[1].shape.dims) == rank:
+            # the buffer takes the update's split where the update's dims allow it (a scan's
+            # stacked gradients: replicated zeros updated by each layer's sharded gradient)
+            base, upd = array(inst, 0), array(inst, 1)
+            udims = inst.operands[1].shape.dims
+            return tuple(max(b, u if udims[k] % u == 0 else 1) for k, (b, u) in enumerate(zip(base, upd)))
         # Elementwise and everything that keeps an operand's dims: the most split operand.
         best: tuple[int, ...] | None = None
         for o in inst.operands:
@@ -318,6 +371,21 @@ def propagate_shardings(module: Module) -> dict[Instruction, Split]:
     if module.entry is not None:
         visit(module.entry, None)
     return split
+
+
+def _merge_split(a: Split, b: Split) -> Split:
+    """The more split of two shardings of one value, leaf by leaf (tuples element-wise)."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if _is_leaf(a) or _is_leaf(b) or not a or not b:
+        if _is_leaf(a) and _is_leaf(b) and len(a) == len(b):
+            return b if math.prod(b) > math.prod(a) else a  # type: ignore[arg-type]
+        return a
+    if len(a) != len(b):
+        return a
+    return tuple(_merge_split(x, y) for x, y in zip(a, b))
 
 
 def _is_leaf(s: Split) -> bool:
@@ -523,4 +591,4 @@ class TpuFusion(Analysis[FusionPlan]):
 
 
 __all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "bf16_stored", "fused_instructions",
-           "is_bf16_matmul", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes"]
+           "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes"]
