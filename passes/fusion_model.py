@@ -128,6 +128,44 @@ def tpu_compact_bytes(element_type: str, dims: tuple[int, ...] | list[int], *, a
     return size
 
 
+def tpu_layout_bytes(element_type: str, dims: tuple[int, ...] | list[int], minor: int, second: int, *,
+                     alignment_bytes: int = 512) -> int:
+    """Bytes of an array tiled with dimension ``minor`` on the 128 lanes and ``second`` on the
+    sublanes (a ``T(h,128)`` tile, ``h`` the power of two up to 8 that holds it), aligned."""
+    bits = STORAGE_BITS.get(element_type, 32)
+    if bits == 0:
+        return 0
+    pack = 32 // bits if bits < 32 else 1
+    ds = [max(d, 0) for d in dims]
+    rest = math.prod(d for k, d in enumerate(ds) if k not in (minor, second))
+    h = min(8 * pack, max(pack, _pow2_at_least(ds[second])))
+    size = (rest * (-(-ds[second] // h) * h) * (-(-ds[minor] // 128) * 128) * bits + 7) // 8
+    if alignment_bytes > 1:
+        size = max(alignment_bytes, -(-size // alignment_bytes) * alignment_bytes)
+    return size
+
+
+def feature_minor_dims(inst: Instruction) -> tuple[int, int] | None:
+    """(lane, sublane) dimensions of a value libtpu keeps feature-minor on chip: a 2-D
+    convolution's result (feature dimension on the lanes, batch on the sublanes: libtpu's
+    ``f32[4,16,16,8]{3,0,2,1:T(4,128)S(1)}``) and the pooling windows over such values
+    (``reduce-window``/``select-and-scatter`` that do not window the first and last dims)."""
+    shape = inst.shape
+    if not shape.is_array or len(shape.dims) != 4:
+        return None
+    if inst.opcode == "convolution":
+        labels = inst.attrs.get("dim_labels", "")
+        out = labels.split("->")[-1]
+        if len(out) == 4 and "f" in out and "b" in out:
+            return out.index("f"), out.index("b")
+        return None
+    if inst.opcode in ("reduce-window", "select-and-scatter"):
+        m = re.search(r"size=(\d+)x\d+x\d+x(\d+)", inst.attrs.get("window", ""))
+        if m and m.group(1) == "1" and m.group(2) == "1":
+            return 3, 0
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # Shardings
 # --------------------------------------------------------------------------------------------
@@ -591,4 +629,4 @@ class TpuFusion(Analysis[FusionPlan]):
 
 
 __all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "bf16_stored", "fused_instructions",
-           "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes"]
+           "feature_minor_dims", "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes", "tpu_layout_bytes"]

@@ -27,13 +27,15 @@ ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
 STEMS = [m + v for m in ("mlp", "convnet", "gpt2", "llama", "sharded") for v in ("", ".offload")]
 
 #: measured error of the predicted peak vs libtpu's peak (libtpu 0.0.42, jax 0.10.2), > 10%:
-#: convnet holds its conv activations in padded feature-minor VMEM layouts (8-16x our compact
-#: ones), gpt2.offload misses by 0.01 point (-10.01%). Passing now: mlp -3.6%, mlp.offload -5.6%,
+#: convnet's conv results are counted feature-minor in VMEM (8-16x the compact size; was -53.7% /
+#: -47.0% before), but libtpu also transposes the kernel-gradient convolutions' operands into
+#: feature-minor copies the pre-optimization module does not show; gpt2.offload misses by 0.01
+#: point (-10.01%). Passing now: mlp -3.6%, mlp.offload -5.6%,
 #: gpt2 -2.2%, llama -0.1%, llama.offload -2.9%, sharded -2.5%, sharded.offload +6.7% (sharded
 #: were +13.7% / +57.7% while a scan's gradient accumulators kept the replicated sharding of the
 #: zeros they start from).
 PEAK_MISSES = {
-    "convnet": -0.537, "convnet.offload": -0.470, "gpt2.offload": -0.100,
+    "convnet": -0.376, "convnet.offload": -0.285, "gpt2.offload": -0.100,
 }
 
 
@@ -414,3 +416,24 @@ def test_per_device_module_prediction_within_10_percent_of_libtpu(stem: str) -> 
     assert report.profile.argument_bytes == xla["argument_size_in_bytes"]
     assert 0 <= xla["output_size_in_bytes"] - report.profile.output_bytes <= 512
     assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=0.101 if policy else 0.10)
+
+
+def test_convolution_results_are_feature_minor_in_libtpus_modules() -> None:
+    """The on-chip layout the model gives conv results and pooling windows
+    (:func:`feature_minor_dims`: feature on the lanes, batch on the sublanes) is the one libtpu
+    chose for every such instruction of the compiled zoo that kept its ``b01f`` form, and
+    :func:`tpu_layout_bytes` is its size."""
+    from hloopt.passes.fusion_model import feature_minor_dims, tpu_layout_bytes
+
+    checked = 0
+    for path in sorted(ZOO.glob("*.tpu-v5e.hlo")):
+        for inst in parse_file(path).instructions():
+            kept = inst.opcode != "convolution" or inst.attrs.get("dim_labels", "").endswith("->b01f")
+            dims = feature_minor_dims(inst) if kept else None
+            if dims is None:
+                continue
+            layout = inst.shape.layout
+            assert layout is not None and tuple(layout.minor_to_major[:2]) == dims, (path.name, inst.name)
+            assert inst.shape.byte_size == tpu_layout_bytes(inst.shape.element_type, inst.shape.dims, *dims)
+            checked += 1
+    assert checked >= 8
