@@ -195,7 +195,7 @@ def _has_tiles(module: Module) -> bool:
 
 def _apply_tpu_tiling(module: Module) -> None:
     """Give the layout-less shapes of a pre-optimization module TPU's default tiles (in place)."""
-    from hloopt.ir import Layout, Shape
+    from hloopt.ir import Instruction, Layout, Shape
 
     cache: dict[Shape, Shape] = {}
 
@@ -217,14 +217,30 @@ def _apply_tpu_tiling(module: Module) -> None:
         cache[s] = got
         return got
 
-    for inst in module.instructions():
-        inst.shape = tiled(inst.shape)
-        if inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement" \
-                and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host" \
-                and inst.shape.is_array and inst.shape.layout is not None:
-            lay = inst.shape.layout
+    def on_host(inst: Instruction) -> None:
+        lay = inst.shape.layout
+        if inst.shape.is_array and lay is not None:
             inst.shape = Shape(inst.shape.element_type, inst.shape.dims, inst.shape.dynamic,
                                Layout(lay.minor_to_major, lay.tiles, memory_space=5))
+
+    host: set[Instruction] = set()
+    for inst in module.instructions():  # operands first: a computation's text order
+        inst.shape = tiled(inst.shape)
+        if inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement" \
+                and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host":
+            on_host(inst)
+            host.add(inst)
+        elif inst.opcode in _HOST_VIEWS and inst.operands and inst.operands[0] in host:
+            host.add(inst)  # a view of an offloaded value (a scan's per-layer slice, reshaped)
+        elif inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1 and inst.operands[1] in host:
+            # XLA's host offloader writes the update into a host buffer: a scan's stacked
+            # residual (the loop state this updates) is allocated in host memory
+            on_host(inst)
+            host.add(inst)
+
+
+#: views an offloaded value passes through on its way into a scan's stack
+_HOST_VIEWS = frozenset({"reshape", "bitcast", "copy"})
 
 
 __all__ = ["MemoryReport", "analyze", "profile_module", "settings_for"]

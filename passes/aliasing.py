@@ -532,9 +532,13 @@ class _Builder:
                 main_shape = inst_of[main].shape.at(index_of[main])
                 size = max(inst_of[s].shape.at(index_of[s]).byte_size for s in defs)
                 values = tuple((inst_of[s], index_of[s]) for s in defs)
+            space = main_shape.memory_space
+            if space != HOST_MEMORY_SPACE and len(defs) > 1 and \
+                    any(inst_of[s].shape.at(index_of[s]).memory_space == HOST_MEMORY_SPACE for s in defs):
+                space = HOST_MEMORY_SPACE  # loop state a body writes in host memory (a scan's offloaded stack)
             out = outputs.get(b)
             buffers.append(Buffer(
-                id=b, size_bytes=size, memory_space=main_shape.memory_space,
+                id=b, size_bytes=size, memory_space=space,
                 instruction=inst_of[main], index=index_of[main], shape=main_shape, values=values,
                 parameter=param_of.get(b, -1), output_indices=tuple(out) if out else (),
             ))

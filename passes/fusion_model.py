@@ -466,13 +466,38 @@ def is_one_hot_scatter(inst: Instruction) -> bool:
     return len(scattered) == 1 and sorted(list(scattered) + list(batching)) == list(range(rank))
 
 
+def _offloaded_into_stack(inst: Instruction) -> bool:
+    """A ``pinned_host`` annotation written straight into a scan's stack (through reshapes, as the
+    update of dynamic-update-slices): XLA's host offloader copies the device value into the host
+    stack; the annotation's own host array never exists."""
+    if not (inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement"
+            and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host"):
+        return False
+    todo, seen, found = [inst], set(), False
+    while todo:
+        v = todo.pop()
+        for u in v.users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if u.opcode in ("reshape", "bitcast") and u.operands[0] is v:
+                todo.append(u)
+            elif u.opcode == "dynamic-update-slice" and len(u.operands) > 1 and u.operands[1] is v \
+                    and u.operands[0] is not v:
+                found = True
+            else:
+                return False
+    return found
+
+
 def fused_instructions(module: Module) -> set[Instruction]:
     """Instructions XLA fuses into all their readers (module docstring): they hold no buffer."""
     entry = module.entry
     out: set[Instruction] = set()
     for comp in module.computations.values():
         for inst in comp.instructions:
-            fusible = inst.opcode in FUSIBLE or _is_identity_marker(inst) or is_one_hot_scatter(inst)
+            fusible = inst.opcode in FUSIBLE or _is_identity_marker(inst) or is_one_hot_scatter(inst) \
+                or _offloaded_into_stack(inst)
             if not fusible or inst.shape.is_tuple or inst.is_root:
                 continue
             if comp is entry and any(u.is_root for u in inst.users):
@@ -604,6 +629,11 @@ class FusionPlan:
             return 0
         narrow = narrowed or (not index and inst in self.narrowed)
         dtype = "bf16" if narrow and shape.element_type == "f32" else shape.element_type
+        if not index and shape.memory_space == 5 and inst.opcode == "custom-call" and inst.operands:
+            # an offloaded convolution result keeps its feature-minor layout in host memory
+            dims = feature_minor_dims(inst.operands[0])
+            if dims is not None:
+                return tpu_layout_bytes(dtype, shard_dims(shape, s), *dims, alignment_bytes=self.alignment_bytes)
         return tpu_compact_bytes(dtype, shard_dims(shape, s), alignment_bytes=self.alignment_bytes)
 
     def buffer_bytes(self, buffer: object) -> int:

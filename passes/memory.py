@@ -50,8 +50,8 @@ libtpu's accounting. Measured against libtpu 0.0.42 (v5e; tests/test_preopt_accu
 size small, the VMEM heap libtpu reports is 101-112 MiB whenever the step's working set exceeds
 VMEM (mlp, gpt2; convnet's is exactly 112 MiB), all within 1.2%; at size tiny, where VMEM holds
 the whole working set, the VMEM heap (libtpu's dumps: the S(1) values live at the peak, within
-16 KiB) is predicted within 6% for mlp, gpt2 and llama (offloaded or not) but gpt2.offload
-(-10.0%), sharded within 7%, and convnet -38% (-29% offloaded; it was -54% before the
+16 KiB) is predicted within 8% for mlp, gpt2 and llama (offloaded or not) but gpt2.offload
+(-10.0%), sharded within 3%, and convnet -38% (-29% offloaded; it was -54% before the
 feature-minor sizes): libtpu also rewrites the kernel-gradient convolutions into transposed
 feature-minor copies of their operands (two 512 KiB ``copy`` of ``f32[16,4,16,8]`` live at its
 peak) that the pre-optimization module does not show.

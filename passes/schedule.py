@@ -4,8 +4,9 @@
   XLA prints after optimization) this *is* the schedule XLA executes; for a pre-optimization
   module it is the order JAX emitted, usually close to program order.
 * ``"list"``: a greedy list scheduler in the spirit of XLA's ``ListMemoryScheduler``, for
-  pre-optimization modules: among ready instructions pick the one that frees the most bytes minus
-  the bytes it defines (ties: text order). Priorities only change when another user of an operand
+  pre-optimization modules: among ready instructions pick the one that frees the most device
+  bytes minus the device bytes it defines (ties: text order; a value in host memory, ``S(5)``,
+  defines none, so an offload runs as soon as it can). Priorities only change when another user of an operand
   is scheduled, so a popped instruction whose priority went stale is pushed back (lazy heap):
   O(n log n) overall.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hloopt.errors import UserError
-from hloopt.ir import Computation, Instruction, Module
+from hloopt.ir import HOST_MEMORY_SPACE, Computation, Instruction, Module
 from hloopt.passes import Analysis, AnalysisManager
 
 KINDS: tuple[str, ...] = ("module", "list")
@@ -65,7 +66,9 @@ def list_schedule(comp: Computation) -> list[Instruction]:
     pos = {inst: i for i, inst in enumerate(insts)}
     root = pos.get(comp.root, -1) if comp.root is not None else -1
     #: bytes each instruction defines (0 for one that forwards its operand's storage)
-    size = [0 if inst.opcode in _FORWARDING else inst.shape.total_byte_size for inst in insts]
+    #: (device bytes: a value placed in host memory, an offload, costs none and frees its operand)
+    size = [0 if inst.opcode in _FORWARDING or (inst.shape.is_array and inst.shape.memory_space == HOST_MEMORY_SPACE)
+            else inst.shape.total_byte_size for inst in insts]
     #: distinct operands in this computation, in operand order
     operands: list[list[int]] = []
     remaining_uses = [0] * n

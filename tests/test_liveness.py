@@ -134,3 +134,29 @@ ENTRY e {
     got = {r.buffer.instruction.name: (r.start, r.end) for r in lr.ranges()}
     assert got == {"p": (0, 4), "a": (1, 4), "b": (2, 4), "r": (4, 4)}
     assert lr.bytes_per_step() == [1024, 2048, 3072, 3072, 5120]
+
+
+def test_list_schedule_runs_an_offload_as_soon_as_it_can() -> None:
+    """A value placed in host memory (``S(5)``) defines no device bytes: the list scheduler runs
+    the offload right after its producer (as XLA starts the copy to host), where an annotation
+    left in device memory, 16 KiB more while ``a`` is still read later, waits until it must."""
+    from hloopt.passes.schedule import list_schedule
+
+    text = """
+HloModule m
+ENTRY e {
+  p = f32[4096]{0} parameter(0)
+  a = f32[4096]{0} exponential(p)
+  b = f32[4096]{0} negate(p)
+  c = f32[4096]{0} sine(b)
+  d = f32[4096]{0} cosine(c)
+  h = f32[4096]{0:S(5)} custom-call(a), custom_call_target="annotate_device_placement", frontend_attributes={_xla_buffer_placement="pinned_host"}
+  e = f32[4096]{0} add(d, a)
+  g = f32[4096]{0} custom-call(h), custom_call_target="annotate_device_placement", frontend_attributes={_xla_buffer_placement="device"}
+  ROOT r = f32[4096]{0} add(g, e)
+}"""
+    order = [i.name for i in list_schedule(parse_module(text).entry)]
+    assert order.index("h") == order.index("a") + 1
+    # the same annotation left in device memory is an ordinary 16 KiB value: no reason to hurry
+    order = [i.name for i in list_schedule(parse_module(text.replace("{0:S(5)}", "{0}")).entry)]
+    assert order.index("h") > order.index("d")

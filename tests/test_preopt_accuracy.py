@@ -31,9 +31,9 @@ STEMS = [m + v for m in ("mlp", "convnet", "gpt2", "llama", "sharded") for v in 
 #: -47.0% before), but libtpu also transposes the kernel-gradient convolutions' operands into
 #: feature-minor copies the pre-optimization module does not show; gpt2.offload misses by 0.01
 #: point (-10.01%). Passing now: mlp -3.6%, mlp.offload -5.6%,
-#: gpt2 -2.2%, llama -0.1%, llama.offload -2.9%, sharded -2.5%, sharded.offload +6.7% (sharded
+#: gpt2 -2.2%, llama -0.1%, llama.offload -7.9%, sharded -2.5%, sharded.offload +0.9% (sharded
 #: were +13.7% / +57.7% while a scan's gradient accumulators kept the replicated sharding of the
-#: zeros they start from).
+#: zeros they start from; the offloaded scans' stacks are in host memory now, not on device).
 PEAK_MISSES = {
     "convnet": -0.376, "convnet.offload": -0.285, "gpt2.offload": -0.100,
 }
@@ -437,3 +437,22 @@ def test_convolution_results_are_feature_minor_in_libtpus_modules() -> None:
             assert inst.shape.byte_size == tpu_layout_bytes(inst.shape.element_type, inst.shape.dims, *dims)
             checked += 1
     assert checked >= 8
+
+
+@pytest.mark.parametrize("model", ["mlp", "convnet", "gpt2", "llama", "sharded"])
+def test_predicted_host_bytes_match_libtpu(model: str) -> None:
+    """Offloaded values in the pre-optimization module: a plain residual's annotation holds its
+    host array (convolution results feature-minor, as libtpu keeps them: convnet's 512 + 128 KiB);
+    a scan's per-layer residual goes straight into a stack the loop carries in host memory (llama:
+    4 stacks of f32[2,2,32,64]). The prediction equals ``host_temp_size_in_bytes`` for four
+    models; for sharded it equals libtpu's host allocation (4 stacks of 32 KiB), which its
+    ``memory_analysis()`` over-reports (tests/test_memory_accuracy.py)."""
+    stem = f"{model}.offload"
+    predicted = analyze(ZOO / f"{stem}.tpu.hlo", platform="tpu").profile.host_bytes
+    compiled = analyze(ZOO / f"{stem}.tpu-v5e.hlo").profile.host_bytes
+    assert predicted == compiled > 0
+    if model == "sharded":
+        assert predicted == 4 * (2 * 2 * 16 * 128 * 4)  # 4 names x f32[2,2,32,16]{2,3,1,0:T(8,128)}
+    else:
+        assert predicted == _figures(stem)["host_temp_size_in_bytes"]
+    assert analyze(ZOO / f"{model}.tpu.hlo", platform="tpu").profile.host_bytes == 0
