@@ -194,7 +194,11 @@ def _has_tiles(module: Module) -> bool:
 
 
 def _apply_tpu_tiling(module: Module) -> None:
-    """Give the layout-less shapes of a pre-optimization module TPU's default tiles (in place)."""
+    """Give the layout-less shapes of a pre-optimization module TPU's default tiles (in place),
+    and put what JAX offloads in host memory (``S(5)``) as XLA's host offloader will: a
+    ``pinned_host`` annotation's value, and a dynamic-update-slice that writes one (through
+    reshapes) into a scan's stack, whose loop-state buffer is then host memory
+    (:mod:`hloopt.passes.aliasing`)."""
     from hloopt.ir import Instruction, Layout, Shape
 
     cache: dict[Shape, Shape] = {}
@@ -240,7 +244,7 @@ def _apply_tpu_tiling(module: Module) -> None:
 
 
 #: views an offloaded value passes through on its way into a scan's stack
-_HOST_VIEWS = frozenset({"reshape", "bitcast", "copy"})
+_HOST_VIEWS = frozenset({"reshape", "bitcast"})
 
 
 __all__ = ["MemoryReport", "analyze", "profile_module", "settings_for"]

@@ -39,7 +39,8 @@ Only computations reached from the entry through ``while``/``conditional``/``cal
 reducers, fusion bodies and async-wrapped computations are code, not storage.
 
 Memory spaces come from the defining value's layout: 0 is device memory (HBM), ``S(5)`` host
-memory; other spaces (TPU VMEM ``S(1)``, SMEM ``S(2)``...) are on-chip scratch and counted apart.
+memory (a buffer with several definitions is host memory when any is: loop state a body writes in
+host memory, as a scan's offloaded stack); other spaces (TPU VMEM ``S(1)``, SMEM ``S(2)``...) are on-chip scratch and counted apart.
 
 Invariant: every position of a visited instruction belongs to exactly one buffer.
 """
