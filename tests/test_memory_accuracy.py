@@ -101,7 +101,7 @@ def test_cpu_compiled_matches_xla_live_range_peak(model: str, tmp_path: Path) ->
 # -- the small zoo sizes: libtpu's figures recorded by fixtures/record_small_tpu.py ---------------
 
 DUMPS = ZOO / "dumps"
-SMALL = ("llama", "gpt2")
+SMALL = ("llama", "gpt2", "sharded")
 
 
 def _small() -> dict[str, dict[str, object]]:
@@ -156,7 +156,7 @@ def test_small_temporaries_inside_output_allocations_are_xlas(model: str) -> Non
 #: bytes of temporaries XLA places inside outputs that we leave on the heap, as a share of what we
 #: place there. gpt2: 30 MiB of HBM copies of evicted VMEM values (``copy-start{0}``); its reported
 #: heap is VMEM's, so the peak does not show it
-SMALL_MISSED_SHARE = {"llama": 0.01, "gpt2": 0.05}
+SMALL_MISSED_SHARE = {"llama": 0.01, "gpt2": 0.05, "sharded": 0.01}
 
 
 @pytest.mark.slow
