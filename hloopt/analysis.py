@@ -110,6 +110,8 @@ def profile_module(module: Module, *, platform: str | None = None, schedule: str
         if inlined is not module:
             module, am = inlined, None
         _apply_tpu_tiling(module)
+    elif s["kind"] == "unoptimized" and _place_annotated_on_host(module):
+        am = None  # shapes changed: analyses cached on the module are stale
     am = am or AnalysisManager(module)
     live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"])
     prof = am.get(PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
@@ -241,6 +243,26 @@ def _apply_tpu_tiling(module: Module) -> None:
             # residual (the loop state this updates) is allocated in host memory
             on_host(inst)
             host.add(inst)
+
+
+def _place_annotated_on_host(module: Module) -> bool:
+    """Put the value of every ``pinned_host`` annotation in host memory (``S(5)``), as written
+    (in place; for a module analyzed as it is: the annotation's result is a host array). Returns
+    whether any shape changed."""
+    from hloopt.ir import Layout, Shape
+
+    changed = False
+    for inst in module.instructions():
+        if inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement" \
+                and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host" \
+                and inst.shape.is_array and inst.shape.memory_space != 5:
+            lay = inst.shape.layout
+            m2m = lay.minor_to_major if lay is not None else tuple(range(len(inst.shape.dims) - 1, -1, -1))
+            tiles = lay.tiles if lay is not None else ()
+            inst.shape = Shape(inst.shape.element_type, inst.shape.dims, inst.shape.dynamic,
+                               Layout(m2m, tiles, memory_space=5))
+            changed = True
+    return changed
 
 
 #: views an offloaded value passes through on its way into a scan's stack

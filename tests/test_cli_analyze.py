@@ -43,6 +43,26 @@ def test_offload_snapshot_reports_host_bytes_like_xla() -> None:
     assert j["host_bytes"] == xla["host_temp_size_in_bytes"] > 0
 
 
+def test_unoptimized_offload_module_counts_annotated_values_on_host() -> None:
+    """Analyzed as written (no --platform), a pinned_host annotation's result is a host array:
+    gpt2's 8 offloaded residuals (not scanned: all live until the backward) are f32[2,32,64],
+    16 KiB each; the tpu prediction sizes the same host bytes as libtpu does."""
+    from hloopt.hlo.parser import parse_file
+
+    path = ZOO / "gpt2.offload.tpu.hlo"
+    marked = [i for i in parse_file(path).instructions() if i.opcode == "custom-call"
+              and i.frontend_attributes.get("_xla_buffer_placement") == "pinned_host"]
+    assert len(marked) == 8 and all(i.shape.byte_size == 2 * 32 * 64 * 4 for i in marked)
+    j = run_json(str(path))
+    assert j["settings"]["kind"] == "unoptimized"
+    assert j["host_bytes"] == 8 * 2 * 32 * 64 * 4
+    plain = run_json(str(ZOO / "gpt2.tpu.hlo"))
+    assert plain["host_bytes"] == 0
+    tpu = run_json(str(path), "--platform", "tpu")
+    assert tpu["host_bytes"] == json.loads((ZOO / "gpt2.offload.tpu-v5e.json").read_text())["memory"][
+        "host_temp_size_in_bytes"]
+
+
 def test_terminal_report_names_the_peak() -> None:
     res = CliRunner().invoke(cli, ["analyze", str(ZOO / "mlp.cpu-compiled.hlo"), "--top", "2"])
     assert res.exit_code == 0, res.output
