@@ -195,6 +195,12 @@ def _call_factory(target: str, factory: Callable[..., Any], kw: Mapping[str, Any
                   factory=factory, factory_kwargs=MappingProxyType(dict(kw)))
 
 
+#: the first line of HLO text: the module header, or a computation's (``ENTRY main {``,
+#: ``fused (p: f32[4]) -> f32[4] {``)
+_HLO_START = re.compile(r"^\s*(HloModule\s|(ENTRY\s+)?%?[\w.\-]+\s*(\([^)]*\)\s*->\s*\S[^{]*)?\{\s*$)",
+                        re.MULTILINE)
+
+
 def _resolve_hlo_file(target: str, path: Path) -> Target:
     if path.suffix == ".mlir":
         raise UserError(f"{target}: MLIR/StableHLO is not read; give HLO text "
@@ -205,8 +211,10 @@ def _resolve_hlo_file(target: str, path: Path) -> Target:
         raise UserError(f"{target}: not a text file (HLO text expected)") from None
     except OSError as err:
         raise UserError(f"{target}: cannot read: {err.strerror}") from err
-    if not re.search(r"^\s*HloModule\s", text, re.MULTILINE):
-        raise UserError(f"{target}: not HLO text (no 'HloModule' line)")
+    # XLA's parser also takes a module without its header line: computations, the ENTRY one
+    # marked or the last
+    if not _HLO_START.search(text):
+        raise UserError(f"{target}: not HLO text (no 'HloModule' line or computation)")
     return Target(name=target, kind="hlo", path=path, text=text)
 
 

@@ -172,7 +172,15 @@ def test_not_hlo_and_mlir_files(tmp_path: Path) -> None:
     text = write(tmp_path / "notes.txt", "hello\n")
     with pytest.raises(UserError) as err:
         resolve(str(text))
-    assert str(err.value) == f"{text}: not HLO text (no 'HloModule' line)"
+    assert str(err.value) == f"{text}: not HLO text (no 'HloModule' line or computation)"
+    # modules without their header line, as XLA's parser takes them (XLA's own test files)
+    for body in ("ENTRY main {\n  ROOT p = f32[4] parameter(0)\n}\n",
+                 "f {\n  ROOT p = f32[4] parameter(0)\n}\n",
+                 "%f (a: f32[4]) -> f32[4] {\n  ROOT a = f32[4] parameter(0)\n}\n"):
+        assert resolve(str(write(tmp_path / "headless.hlo", body))).kind == "hlo"
+    for not_hlo in ('{"a": {"b": 1}}\n', "x = {\n}\n", "notes:\n- a\n"):
+        with pytest.raises(UserError, match="not HLO text"):
+            resolve(str(write(tmp_path / "other.hlo", not_hlo)))
     mlir = write(tmp_path / "m.mlir", "module @jit_f {}\n")
     with pytest.raises(UserError, match=r"m.mlir: MLIR/StableHLO is not read; give HLO text"):
         resolve(str(mlir))
