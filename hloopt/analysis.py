@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hloopt.errors import UserError
-from hloopt.ir import Module
+from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module
 from hloopt.passes import AnalysisManager
+from hloopt.passes.fusion_model import host_stack_updates
 from hloopt.passes.liveness import Liveness
 from hloopt.passes.memory import MemoryProfile, PeakMemory
+from hloopt.passes.residuals import is_host_annotation
 
 
 @dataclass(eq=False)
@@ -201,7 +203,7 @@ def _apply_tpu_tiling(module: Module) -> None:
     ``pinned_host`` annotation's value, and a dynamic-update-slice that writes one (through
     reshapes) into a scan's stack, whose loop-state buffer is then host memory
     (:mod:`hloopt.passes.aliasing`)."""
-    from hloopt.ir import Instruction, Layout, Shape
+    from hloopt.ir import Layout, Shape
 
     cache: dict[Shape, Shape] = {}
 
@@ -223,50 +225,39 @@ def _apply_tpu_tiling(module: Module) -> None:
         cache[s] = got
         return got
 
-    def on_host(inst: Instruction) -> None:
-        lay = inst.shape.layout
-        if inst.shape.is_array and lay is not None:
-            inst.shape = Shape(inst.shape.element_type, inst.shape.dims, inst.shape.dynamic,
-                               Layout(lay.minor_to_major, lay.tiles, memory_space=5))
-
-    host: set[Instruction] = set()
-    for inst in module.instructions():  # operands first: a computation's text order
-        inst.shape = tiled(inst.shape)
-        if inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement" \
-                and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host":
-            on_host(inst)
-            host.add(inst)
-        elif inst.opcode in _HOST_VIEWS and inst.operands and inst.operands[0] in host:
-            host.add(inst)  # a view of an offloaded value (a scan's per-layer slice, reshaped)
-        elif inst.opcode == "dynamic-update-slice" and len(inst.operands) > 1 and inst.operands[1] in host:
-            # XLA's host offloader writes the update into a host buffer: a scan's stacked
-            # residual (the loop state this updates) is allocated in host memory
-            on_host(inst)
-            host.add(inst)
+    for inst in module.instructions():
+        inst.shape = tiled(inst.shape)  # keeps the memory space a stack update below was given
+        if is_host_annotation(inst):
+            _to_host(inst)
+            # XLA's host offloader writes the value into a host buffer: a scan's stacked residual
+            # (the loop state these update) is allocated in host memory
+            for update in host_stack_updates(inst)[0]:
+                _to_host(update)
 
 
 def _place_annotated_on_host(module: Module) -> bool:
     """Put the value of every ``pinned_host`` annotation in host memory (``S(5)``), as written
     (in place; for a module analyzed as it is: the annotation's result is a host array). Returns
     whether any shape changed."""
-    from hloopt.ir import Layout, Shape
-
     changed = False
     for inst in module.instructions():
-        if inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement" \
-                and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host" \
-                and inst.shape.is_array and inst.shape.memory_space != 5:
-            lay = inst.shape.layout
-            m2m = lay.minor_to_major if lay is not None else tuple(range(len(inst.shape.dims) - 1, -1, -1))
-            tiles = lay.tiles if lay is not None else ()
-            inst.shape = Shape(inst.shape.element_type, inst.shape.dims, inst.shape.dynamic,
-                               Layout(m2m, tiles, memory_space=5))
+        if is_host_annotation(inst) and inst.shape.is_array and not inst.shape.on_host:
+            _to_host(inst)
             changed = True
     return changed
 
 
-#: views an offloaded value passes through on its way into a scan's stack
-_HOST_VIEWS = frozenset({"reshape", "bitcast"})
+def _to_host(inst: Instruction) -> None:
+    """Give ``inst``'s array shape host memory space (``S(5)``), keeping its layout (in place)."""
+    from hloopt.ir import Layout, Shape
+
+    shape = inst.shape
+    if not shape.is_array:
+        return
+    lay = shape.layout
+    m2m = lay.minor_to_major if lay is not None else tuple(range(len(shape.dims) - 1, -1, -1))
+    tiles = lay.tiles if lay is not None else ()
+    inst.shape = Shape(shape.element_type, shape.dims, shape.dynamic, Layout(m2m, tiles, memory_space=HOST_MEMORY_SPACE))
 
 
 __all__ = ["MemoryReport", "analyze", "profile_module", "settings_for"]

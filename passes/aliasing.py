@@ -534,8 +534,7 @@ class _Builder:
                 size = max(inst_of[s].shape.at(index_of[s]).byte_size for s in defs)
                 values = tuple((inst_of[s], index_of[s]) for s in defs)
             space = main_shape.memory_space
-            if space != HOST_MEMORY_SPACE and len(defs) > 1 and \
-                    any(inst_of[s].shape.at(index_of[s]).memory_space == HOST_MEMORY_SPACE for s in defs):
+            if len(defs) > 1 and not main_shape.on_host and any(inst_of[s].shape.at(index_of[s]).on_host for s in defs):
                 space = HOST_MEMORY_SPACE  # loop state a body writes in host memory (a scan's offloaded stack)
             out = outputs.get(b)
             buffers.append(Buffer(

@@ -59,6 +59,7 @@ is neither a parameter nor an output; ``value_bytes`` is a positive multiple of
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from typing import ClassVar, Union
 
 from hloopt.ir import STORAGE_BITS, Computation, Instruction, Module, Shape
 from hloopt.passes import Analysis, AnalysisManager
+from hloopt.passes.residuals import is_host_annotation
 
 #: a sharding as tile counts: per array dimension, or nested per tuple element
 Split = Union[tuple[int, ...], tuple["Split", ...], None]
@@ -100,8 +102,24 @@ def _pow2_at_least(n: int) -> int:
     return p
 
 
-def tpu_compact_bytes(element_type: str, dims: tuple[int, ...] | list[int], *, alignment_bytes: int = 512) -> int:
-    """Bytes of an array in the most compact TPU tiled layout (module docstring), aligned."""
+def _tiled_bytes(ds: list[int], minor: int, second: int, bits: int) -> int:
+    """Unaligned bytes of ``ds`` tiled with dimension ``minor`` on the 128 lanes and ``second`` on
+    the sublanes (a ``T(h,128)`` tile, ``h`` the power of two up to 8 per 32-bit word that holds it)."""
+    pack = 32 // bits if bits < 32 else 1
+    rest = math.prod(d for k, d in enumerate(ds) if k != minor and k != second)
+    h = min(8 * pack, max(pack, _pow2_at_least(ds[second])))
+    n = rest * (-(-ds[second] // h) * h) * (-(-ds[minor] // 128) * 128)
+    return (n * bits + 7) // 8
+
+
+def _aligned(size: int, alignment_bytes: int) -> int:
+    if alignment_bytes > 1:
+        return max(alignment_bytes, -(-size // alignment_bytes) * alignment_bytes)
+    return size
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _compact_bytes(element_type: str, dims: tuple[int, ...], alignment_bytes: int) -> int:
     bits = STORAGE_BITS.get(element_type, 32)
     if bits == 0:
         return 0
@@ -111,21 +129,13 @@ def tpu_compact_bytes(element_type: str, dims: tuple[int, ...] | list[int], *, a
         tile = min(1024, max(128, _pow2_at_least(n)))  # T(128) .. T(1024)
         size = (-(-n // tile) * tile * bits + 7) // 8
     else:
-        pack = 32 // bits if bits < 32 else 1
-        size = -1
-        for i, minor in enumerate(ds):
-            for j, second in enumerate(ds):
-                if i == j:
-                    continue
-                rest = math.prod(d for k, d in enumerate(ds) if k != i and k != j)
-                h = min(8 * pack, max(pack, _pow2_at_least(second)))
-                n = rest * (-(-second // h) * h) * (-(-minor // 128) * 128)
-                b = (n * bits + 7) // 8
-                if size < 0 or b < size:
-                    size = b
-    if alignment_bytes > 1:
-        size = max(alignment_bytes, -(-size // alignment_bytes) * alignment_bytes)
-    return size
+        size = min(_tiled_bytes(ds, i, j, bits) for i in range(len(ds)) for j in range(len(ds)) if i != j)
+    return _aligned(size, alignment_bytes)
+
+
+def tpu_compact_bytes(element_type: str, dims: tuple[int, ...] | list[int], *, alignment_bytes: int = 512) -> int:
+    """Bytes of an array in the most compact TPU tiled layout (module docstring), aligned."""
+    return _compact_bytes(element_type, tuple(dims), alignment_bytes)
 
 
 def tpu_layout_bytes(element_type: str, dims: tuple[int, ...] | list[int], minor: int, second: int, *,
@@ -135,14 +145,7 @@ def tpu_layout_bytes(element_type: str, dims: tuple[int, ...] | list[int], minor
     bits = STORAGE_BITS.get(element_type, 32)
     if bits == 0:
         return 0
-    pack = 32 // bits if bits < 32 else 1
-    ds = [max(d, 0) for d in dims]
-    rest = math.prod(d for k, d in enumerate(ds) if k not in (minor, second))
-    h = min(8 * pack, max(pack, _pow2_at_least(ds[second])))
-    size = (rest * (-(-ds[second] // h) * h) * (-(-ds[minor] // 128) * 128) * bits + 7) // 8
-    if alignment_bytes > 1:
-        size = max(alignment_bytes, -(-size // alignment_bytes) * alignment_bytes)
-    return size
+    return _aligned(_tiled_bytes([max(d, 0) for d in dims], minor, second, bits), alignment_bytes)
 
 
 def feature_minor_dims(inst: Instruction) -> tuple[int, int] | None:
@@ -466,28 +469,38 @@ def is_one_hot_scatter(inst: Instruction) -> bool:
     return len(scattered) == 1 and sorted(list(scattered) + list(batching)) == list(range(rank))
 
 
-def _offloaded_into_stack(inst: Instruction) -> bool:
-    """A ``pinned_host`` annotation written straight into a scan's stack (through reshapes, as the
-    update of dynamic-update-slices): XLA's host offloader copies the device value into the host
-    stack; the annotation's own host array never exists."""
-    if not (inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement"
-            and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host"):
-        return False
-    todo, seen, found = [inst], set(), False
+#: views an offloaded value passes through on its way into a scan's stack
+_HOST_VIEWS = frozenset({"reshape", "bitcast"})
+
+
+def host_stack_updates(annotation: Instruction) -> tuple[list[Instruction], bool]:
+    """The dynamic-update-slices a ``pinned_host`` annotation's value is written into as the update
+    (through reshapes and bitcasts): a scan's stack, which XLA's host offloader puts in host
+    memory. Also whether they are all its readers (then the annotation's own host array never
+    exists: XLA copies the device value straight into the stack)."""
+    todo, seen, updates, only = [annotation], set(), [], True
     while todo:
         v = todo.pop()
         for u in v.users:
             if u in seen:
                 continue
             seen.add(u)
-            if u.opcode in ("reshape", "bitcast") and u.operands[0] is v:
+            if u.opcode in _HOST_VIEWS and u.operands[0] is v:
                 todo.append(u)
             elif u.opcode == "dynamic-update-slice" and len(u.operands) > 1 and u.operands[1] is v \
                     and u.operands[0] is not v:
-                found = True
+                updates.append(u)
             else:
-                return False
-    return found
+                only = False
+    return updates, only
+
+
+def _offloaded_into_stack(inst: Instruction) -> bool:
+    """A ``pinned_host`` annotation written straight into a scan's stack and read by nothing else."""
+    if not is_host_annotation(inst):
+        return False
+    updates, only = host_stack_updates(inst)
+    return bool(updates) and only
 
 
 def fused_instructions(module: Module) -> set[Instruction]:
@@ -629,7 +642,7 @@ class FusionPlan:
             return 0
         narrow = narrowed or (not index and inst in self.narrowed)
         dtype = "bf16" if narrow and shape.element_type == "f32" else shape.element_type
-        if not index and shape.memory_space == 5 and inst.opcode == "custom-call" and inst.operands:
+        if not index and shape.on_host and inst.opcode == "custom-call" and inst.operands:
             # an offloaded convolution result keeps its feature-minor layout in host memory
             dims = feature_minor_dims(inst.operands[0])
             if dims is not None:
@@ -659,4 +672,4 @@ class TpuFusion(Analysis[FusionPlan]):
 
 
 __all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "bf16_stored", "fused_instructions",
-           "feature_minor_dims", "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes", "tpu_layout_bytes"]
+           "feature_minor_dims", "host_stack_updates", "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes", "tpu_layout_bytes"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hloopt.errors import UserError
-from hloopt.ir import HOST_MEMORY_SPACE, Computation, Instruction, Module
+from hloopt.ir import Computation, Instruction, Module
 from hloopt.passes import Analysis, AnalysisManager
 
 KINDS: tuple[str, ...] = ("module", "list")
@@ -67,8 +67,7 @@ def list_schedule(comp: Computation) -> list[Instruction]:
     root = pos.get(comp.root, -1) if comp.root is not None else -1
     #: bytes each instruction defines (0 for one that forwards its operand's storage)
     #: (device bytes: a value placed in host memory, an offload, costs none and frees its operand)
-    size = [0 if inst.opcode in _FORWARDING or (inst.shape.is_array and inst.shape.memory_space == HOST_MEMORY_SPACE)
-            else inst.shape.total_byte_size for inst in insts]
+    size = [0 if inst.opcode in _FORWARDING or inst.shape.on_host else inst.shape.total_byte_size for inst in insts]
     #: distinct operands in this computation, in operand order
     operands: list[list[int]] = []
     remaining_uses = [0] * n
