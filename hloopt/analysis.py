@@ -78,12 +78,13 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
                  code_bytes: int = 0) -> dict[str, Any]:
     """The PeakMemory settings that match how the module's compiler counts (module docstring)."""
     tpu_layout = module.is_scheduled and _has_tiles(module)
-    plain = {"reuse_output_allocations": False, "on_chip_heap": False}
+    plain = {"reuse_output_allocations": False, "on_chip_heap": False, "prefetch_at_offload": False}
     if tpu_layout:
         # libtpu's peak_memory_in_bytes leaves the generated code out (see PeakMemory)
         return {"kind": "tpu-compiled", "schedule": schedule or "module", "materialize": "all",
                 "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": True,
-                "code_bytes": 0, "reuse_output_allocations": True, "on_chip_heap": True}
+                "code_bytes": 0, "reuse_output_allocations": True, "on_chip_heap": True,
+                "prefetch_at_offload": False}
     if module.is_scheduled:
         return {"kind": "compiled", "schedule": schedule or "module", "materialize": "all",
                 "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
@@ -93,7 +94,8 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
         # memory-aware order (XLA schedules a pre-optimization module; its text order is JAX's)
         return {"kind": "tpu-predicted", "schedule": schedule or "list", "materialize": "tpu-fusion",
                 "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": False,
-                "code_bytes": code_bytes, "reuse_output_allocations": True, "on_chip_heap": True}  # pre-opt: predicted MSA (passes/memory.py)
+                "code_bytes": code_bytes, "reuse_output_allocations": True, "on_chip_heap": True,  # predicted MSA
+                "prefetch_at_offload": True}  # libtpu's schedule of offloads (passes/memory.py)
     return {"kind": "unoptimized", "schedule": schedule or "module", "materialize": "all",
             "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
             "code_bytes": code_bytes, **plain}
@@ -101,10 +103,13 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
 
 def profile_module(module: Module, *, platform: str | None = None, schedule: str | None = None,
                    code_bytes: int = 0, top: int = 10, on_chip_bytes: int | None = None,
-                   off_device: frozenset[str] = frozenset(),
+                   off_device: frozenset[str] = frozenset(), prefetch_at_offload: bool | None = None,
                    am: AnalysisManager | None = None) -> tuple[MemoryProfile, dict[str, Any]]:
-    """Run PeakMemory on ``module`` with :func:`settings_for`'s settings."""
+    """Run PeakMemory on ``module`` with :func:`settings_for`'s settings (``prefetch_at_offload``
+    overrides theirs)."""
     s = settings_for(module, platform=platform, schedule=schedule, code_bytes=code_bytes)
+    if prefetch_at_offload is not None:
+        s["prefetch_at_offload"] = prefetch_at_offload
     if s["kind"] == "tpu-predicted":
         from hloopt.passes.inline import inline_for_assignment
 
@@ -120,6 +125,7 @@ def profile_module(module: Module, *, platform: str | None = None, schedule: str
                              static_allocations=s["static_allocations"], code_bytes=s["code_bytes"],
                              reuse_output_allocations=s["reuse_output_allocations"],
                              on_chip_heap=s["on_chip_heap"], off_device=off_device,
+                             prefetch_at_offload=s["prefetch_at_offload"],
                              **({} if on_chip_bytes is None else {"on_chip_bytes": on_chip_bytes})))
     return prof, s
 

@@ -67,7 +67,7 @@ from typing import ClassVar, Union
 
 from hloopt.ir import STORAGE_BITS, Computation, Instruction, Module, Shape
 from hloopt.passes import Analysis, AnalysisManager
-from hloopt.passes.residuals import is_host_annotation
+from hloopt.passes.residuals import is_host_annotation, offloaded_source
 
 #: a sharding as tile counts: per array dimension, or nested per tuple element
 Split = Union[tuple[int, ...], tuple["Split", ...], None]
@@ -148,25 +148,34 @@ def tpu_layout_bytes(element_type: str, dims: tuple[int, ...] | list[int], minor
     return _aligned(_tiled_bytes([max(d, 0) for d in dims], minor, second, bits), alignment_bytes)
 
 
-def feature_minor_dims(inst: Instruction) -> tuple[int, int] | None:
-    """(lane, sublane) dimensions of a value libtpu keeps feature-minor on chip: a 2-D
-    convolution's result (feature dimension on the lanes, batch on the sublanes: libtpu's
-    ``f32[4,16,16,8]{3,0,2,1:T(4,128)S(1)}``) and the pooling windows over such values
-    (``reduce-window``/``select-and-scatter`` that do not window the first and last dims)."""
+def activation_minor_dims(inst: Instruction) -> tuple[int, int] | None:
+    """(lane, sublane) dimensions of a value libtpu lays out with its batch and feature dimensions
+    minor on chip: a 2-D convolution's result and the pooling windows over such values
+    (``reduce-window``/``select-and-scatter`` that do not window the first and last dims). Of the
+    two orders, the one with fewer padded bytes: feature on the lanes when the batch fills the
+    sublanes (``f32[4,16,16,8]{3,0,2,1:T(4,128)S(1)}``, ``f32[32,64,64,64]{3,0,2,1:T(8,128)}``),
+    batch on the lanes when that pads less (``f32[16,16,16,8]{0,3,2,1:T(8,128)S(1)}``)."""
     shape = inst.shape
     if not shape.is_array or len(shape.dims) != 4:
         return None
+    pair: tuple[int, int] | None = None
     if inst.opcode == "convolution":
         labels = inst.attrs.get("dim_labels", "")
         out = labels.split("->")[-1]
         if len(out) == 4 and "f" in out and "b" in out:
-            return out.index("f"), out.index("b")
-        return None
-    if inst.opcode in ("reduce-window", "select-and-scatter"):
+            pair = out.index("f"), out.index("b")
+    elif inst.opcode in ("reduce-window", "select-and-scatter"):
         m = re.search(r"size=(\d+)x\d+x\d+x(\d+)", inst.attrs.get("window", ""))
         if m and m.group(1) == "1" and m.group(2) == "1":
-            return 3, 0
-    return None
+            pair = 3, 0
+    if pair is None:
+        return None
+    f, b = pair
+    dims = [max(d, 0) for d in shape.dims]
+    bits = STORAGE_BITS.get(shape.element_type, 32)
+    if bits and _tiled_bytes(dims, b, f, bits) < _tiled_bytes(dims, f, b, bits):
+        return b, f
+    return f, b
 
 
 # --------------------------------------------------------------------------------------------
@@ -642,9 +651,11 @@ class FusionPlan:
             return 0
         narrow = narrowed or (not index and inst in self.narrowed)
         dtype = "bf16" if narrow and shape.element_type == "f32" else shape.element_type
-        if not index and shape.on_host and inst.opcode == "custom-call" and inst.operands:
-            # an offloaded convolution result keeps its feature-minor layout in host memory
-            dims = feature_minor_dims(inst.operands[0])
+        if not index and inst.opcode == "custom-call" and inst.operands:
+            # an offloaded convolution result keeps its batch/feature-minor layout in host memory,
+            # and so does its copy back on the device
+            src = inst.operands[0] if shape.on_host else getattr(offloaded_source(inst), "operands", [None])[0]
+            dims = activation_minor_dims(src) if src is not None else None
             if dims is not None:
                 return tpu_layout_bytes(dtype, shard_dims(shape, s), *dims, alignment_bytes=self.alignment_bytes)
         return tpu_compact_bytes(dtype, shard_dims(shape, s), alignment_bytes=self.alignment_bytes)
@@ -672,4 +683,4 @@ class TpuFusion(Analysis[FusionPlan]):
 
 
 __all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "bf16_stored", "fused_instructions",
-           "feature_minor_dims", "host_stack_updates", "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes", "tpu_layout_bytes"]
+           "activation_minor_dims", "host_stack_updates", "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes", "tpu_layout_bytes"]

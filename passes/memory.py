@@ -42,19 +42,33 @@ cast to the optimizer update). A reader is a materialized step; a step that read
 (same dims) joins that output's multi-output fusion and reads its parameters from the fusion's
 first step (the optimizer's moment and parameter updates are one fusion); a loop reads the
 parameters it carries from its first step. In VMEM a convolution's result and the pooling
-windows over it are laid out feature-minor (features on the lanes, batch on the sublanes:
-``f32[4,16,16,8]{3,0,2,1:T(4,128)S(1)}`` is 512 KiB where the compact HBM layout takes 32 KiB),
-so ``mov(t)`` counts them at that size (:func:`feature_minor_sizes`); HBM keeps them compact.
-The peak is fixed + max(HBM heap, VMEM heap),
-libtpu's accounting. Measured against libtpu 0.0.42 (v5e; tests/test_preopt_accuracy.py): at
-size small, the VMEM heap libtpu reports is 101-112 MiB whenever the step's working set exceeds
-VMEM (mlp, gpt2; convnet's is exactly 112 MiB), all within 1.2%; at size tiny, where VMEM holds
-the whole working set, the VMEM heap (libtpu's dumps: the S(1) values live at the peak, within
-16 KiB) is predicted within 8% for mlp, gpt2 and llama (offloaded or not) but gpt2.offload
-(-10.0%), sharded within 3%, and convnet -38% (-29% offloaded; it was -54% before the
-feature-minor sizes): libtpu also rewrites the kernel-gradient convolutions into transposed
-feature-minor copies of their operands (two 512 KiB ``copy`` of ``f32[16,4,16,8]`` live at its
-peak) that the pre-optimization module does not show.
+windows over it are laid out with batch and feature minor, in the order that pads less (:func:`~hloopt.passes.fusion_model.activation_minor_dims`:
+``f32[4,16,16,8]{3,0,2,1:T(4,128)S(1)}`` is 512 KiB where the compact HBM layout takes 32 KiB;
+``f32[16,16,16,8]{0,3,2,1:T(8,128)S(1)}`` puts the batch on the lanes), so ``mov(t)`` counts
+them at that size (:func:`activation_minor_sizes`); HBM keeps them compact.
+The peak is fixed + max(HBM heap, VMEM heap), libtpu's accounting.
+
+Offloads (``prefetch_at_offload``): libtpu starts copying an offloaded value back to the device
+right after it has copied it to the host, wherever the backward pass reads it: in its compiled
+modules every host->device ``copy-start`` of a value offloaded outside a loop directly follows
+the ``copy-done`` of its offload (zoo gpt2 and convnet, tiny and small; libtpu 0.0.42 and
+0.0.52), and it does so even when that no longer fits HBM (convnet small at batch 4096 with
+``conv`` offloaded needs 24.2 GB and fails to compile; without the policy it needs 13.9 GB).
+So the device copy a ``device`` annotation makes is counted live from its ``pinned_host``
+annotation on (:func:`~hloopt.passes.residuals.offloaded_source`): an offload outside a loop
+saves no HBM under libtpu. A scan's stacked residual (the stack in host memory, one slice read
+back per backward iteration) is not affected.
+
+Measured against libtpu 0.0.42 (v5e; tests/test_preopt_accuracy.py): at size small, the VMEM
+heap libtpu reports is 101-112 MiB whenever the step's working set exceeds VMEM (mlp, gpt2;
+convnet's is exactly 112 MiB), all within 1.2%; at size tiny, where VMEM holds the whole working
+set, the VMEM heap (libtpu's dumps: the S(1) values live at the peak, within 16 KiB) is predicted
+within 8% for mlp, gpt2 and llama (offloaded or not) and sharded within 3%. Not modeled: for a
+convolution over a batch smaller than the 8 sublanes, libtpu rewrites the convolution (spatial
+rows folded into the batch, ``0b1f``) and copies the values around it between that layout and
+the batch/feature-minor one: the tiny zoo convnet (batch 4) is predicted -38%; convnets of batch
+8 to 64 from -12% to -1% (``bench/convnet_shapes.py``). An offloaded convolution result keeps its
+layout in host memory and in its copy back (:meth:`FusionPlan.value_bytes`).
 
 Categories of a buffer (heuristics from the entry's structure and ``op_name`` metadata):
 ``parameters`` / ``optimizer state`` / ``inputs`` (entry parameters, by name: ``opt_state``,
@@ -78,6 +92,7 @@ from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
 from hloopt.passes.liveness import LiveRanges, Liveness
+from hloopt.passes.residuals import offloaded_source
 
 #: TPU VMEM, the on-chip memory space memory-space assignment moves temporaries into
 ON_CHIP_MEMORY_SPACE = 1
@@ -182,6 +197,10 @@ class PeakMemory(Analysis[MemoryProfile]):
     #: names of instructions whose values are taken off the device (not counted anywhere): what
     #: the memory would be with those residuals offloaded at no cost (the planner's floor)
     off_device: frozenset[str] = frozenset()
+    #: libtpu starts reading an offloaded value back to the device right after it has offloaded
+    #: it (outside loops; module docstring): the device copy a ``device`` annotation makes is
+    #: live from its ``pinned_host`` annotation on, not from where the backward pass reads it
+    prefetch_at_offload: bool = False
 
     def run(self, module: Module, am: AnalysisManager) -> MemoryProfile:
         lr = am.get(self.liveness)
@@ -199,6 +218,14 @@ class PeakMemory(Analysis[MemoryProfile]):
             for b in lr.buffers:
                 if start[b.id] >= 0 and any(i.name in self.off_device for i, _ in b.values):
                     start[b.id] = -1
+        if self.prefetch_at_offload:
+            for b in lr.buffers:
+                if start[b.id] < 0:
+                    continue
+                for inst, index in b.values:
+                    src = None if index else offloaded_source(inst)
+                    if src is not None and src in lr.time:
+                        start[b.id] = min(start[b.id], lr.time[src])
         absorbed: set[int] = set()
         #: (start, end, bytes) of the temporaries inside output allocations: free in HBM, but
         #: memory-space assignment still places them in VMEM (they are S(1) in libtpu's module)
@@ -252,7 +279,7 @@ class PeakMemory(Analysis[MemoryProfile]):
             hbm_side, on_chip_side = msa_sides(lr, start, end, movable, [base + x for x in accumulate(diff[:-1])],
                                                capacity_bytes=self.on_chip_bytes, base_bytes=base,
                                                on_chip_only=absorbed_ranges,
-                                               on_chip_sizes=feature_minor_sizes(lr, movable))
+                                               on_chip_sizes=activation_minor_sizes(lr, movable))
             timeline = [max(h, v) for h, v in zip(hbm_side, on_chip_side)]
         else:
             on_chip_side = None
@@ -416,21 +443,25 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
     return hbm_side, vmem_side
 
 
-def feature_minor_sizes(lr: LiveRanges, movable: set[int]) -> dict[int, int]:
-    """VMEM bytes of the movable buffers libtpu lays out feature-minor on chip (convolution
-    results and the pooling windows over them: :func:`~hloopt.passes.fusion_model.feature_minor_dims`),
-    where that layout is larger than the compact one they are counted at."""
-    from hloopt.passes.fusion_model import feature_minor_dims, tpu_layout_bytes
+def activation_minor_sizes(lr: LiveRanges, movable: set[int]) -> dict[int, int]:
+    """VMEM bytes of the movable buffers libtpu lays out with batch and feature minor on chip
+    (convolution results and the pooling windows over them:
+    :func:`~hloopt.passes.fusion_model.activation_minor_dims`), where that layout is larger than
+    the compact one they are counted at."""
+    from hloopt.passes.fusion_model import activation_minor_dims, tpu_layout_bytes
 
     out: dict[int, int] = {}
     for bid in movable:
         for inst, index in lr.buffers[bid].values:
-            dims = None if index else feature_minor_dims(inst)
+            if index:
+                continue
+            dims = activation_minor_dims(inst)
             if dims is not None:
                 size = tpu_layout_bytes(inst.shape.element_type, inst.shape.dims, *dims)
                 if size > lr.size_bytes[bid]:
                     out[bid] = max(out.get(bid, 0), size)
     return out
+
 
 
 def packed_bytes(live: Counter[int], capacity_bytes: int) -> int:

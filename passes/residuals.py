@@ -78,6 +78,36 @@ def is_host_annotation(inst: Instruction) -> bool:
             and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host")
 
 
+def is_device_annotation(inst: Instruction) -> bool:
+    """``custom-call(...) annotate_device_placement`` to ``device``: JAX's read of an offloaded
+    value back into device memory (where the backward pass uses it)."""
+    return (inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement"
+            and inst.frontend_attributes.get("_xla_buffer_placement") == "device")
+
+
+def offloaded_source(inst: Instruction) -> Instruction | None:
+    """The ``pinned_host`` annotation a ``device`` annotation reads back, in the same computation,
+    through ``jax.checkpoint``'s optimization barriers and the tuples around them; None when the
+    value comes from elsewhere (a scan's stack sliced inside a loop body, a parameter)."""
+    if not is_device_annotation(inst) or not inst.operands:
+        return None
+    v, path = inst.operands[0], []
+    for _ in range(64):
+        op = v.opcode
+        if op == "get-tuple-element" and v.operands:
+            path.append(v.tuple_index)
+            v = v.operands[0]
+        elif op in ("opt-barrier", "optimization-barrier") and v.operands:
+            v = v.operands[0]
+        elif op == "tuple" and path and path[-1] < len(v.operands):
+            v = v.operands[path.pop()]
+        else:
+            break
+    if path or not is_host_annotation(v) or v.parent is not inst.parent:
+        return None
+    return v
+
+
 def moves_to_host(inst: Instruction) -> bool:
     """An offload: a pinned_host annotation, or a copy whose destination is host memory (S(5))."""
     if is_host_annotation(inst):

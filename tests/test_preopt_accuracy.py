@@ -35,7 +35,9 @@ STEMS = [m + v for m in ("mlp", "convnet", "gpt2", "llama", "sharded") for v in 
 #: were +13.7% / +57.7% while a scan's gradient accumulators kept the replicated sharding of the
 #: zeros they start from; the offloaded scans' stacks are in host memory now, not on device).
 PEAK_MISSES = {
-    "convnet": -0.376, "convnet.offload": -0.285, "gpt2.offload": -0.100,
+    # batch 4: libtpu rewrites the convolutions over a batch smaller than the 8 sublanes
+    # (passes/memory.py); convnets of batch 8 and more: test_convnets_of_batch_8_and_more_within_10_percent
+    "convnet": -0.376,
 }
 
 
@@ -297,29 +299,49 @@ def test_predicted_peak_within_10_percent_of_libtpu(stem: str) -> None:
 SMALL = {m: v["memory"] for m, v in json.loads((ZOO / "dumps" / "small.tpu-v5e.json").read_text())["models"].items()}
 
 
-#: measured at size small, > 3%: none. (convnet's was +10.1% until tuple reads were forwarded
-#: after inlining and whole buffers packed into VMEM: at libtpu's peak, the backward of the first
-#: stage, three f32[32,64,64,64] are live, one fits VMEM's 112 MiB and two stay in HBM.)
-SMALL_MISSES: dict[str, float] = {}
+#: measured at size small, > 3% (convnet's no-policy peak was +10.1% until tuple reads were
+#: forwarded after inlining and whole buffers packed into VMEM: at libtpu's peak, the backward of
+#: the first stage, three f32[32,64,64,64] are live, one fits VMEM's 112 MiB and two stay in HBM).
+#: convnet.offload: libtpu also keeps in VMEM copies of values it holds in HBM (two 16 MiB
+#: ``copy-start`` into S(1) at its peak), and runs the second stage's backward alongside the
+#: first's; the model's VMEM packing takes whole buffers once.
+SMALL_MISSES: dict[str, float] = {"convnet.offload": -0.205}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xfail(
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(
     strict=True, reason=f"measured {SMALL_MISSES[m]:+.1%}")) if m in SMALL_MISSES else m for m in sorted(SMALL)])
-def test_small_models_predicted_peak_within_3_percent(model: str) -> None:
+def test_small_models_predicted_peak_within_3_percent(name: str) -> None:
     """Lowered here (no compile); XLA's numbers come from the checked-in JSON. Measured: mlp
     +0.75% (VMEM heap), gpt2 +1.20% (VMEM), llama -0.00% (HBM), convnet -0.00% (HBM), sharded
     -0.00% (HBM, per device on the 2x4 mesh; +150% while the scan's gradient accumulators kept the
-    replicated sharding of their zeros)."""
-    from hloopt.lowering import lower
-    from hloopt.targets import resolve
+    replicated sharding of their zeros). With the zoo's offload policies: mlp -0.00%, gpt2
+    +1.21%, llama -0.00%, sharded -0.00% (convnet: SMALL_MISSES; -47.6% before libtpu's
+    prefetch right after each offload was modeled)."""
+    import importlib
 
-    xla = SMALL[model]
-    lowered = lower(resolve(f"fixtures/zoo/{model}.py:small"), platform="tpu")
+    from fixtures.zoo import OFFLOAD_NAMES
+    from fixtures.zoo._common import offload_policy
+    from hloopt.lowering import lower
+
+    xla = SMALL[name]
+    model, _, offload = name.partition(".")
+    policy = offload_policy(OFFLOAD_NAMES[model]) if offload else None
+    step, args = importlib.import_module(f"fixtures.zoo.{model}").make("small", policy=policy)
+    lowered = lower(step, *args, platform="tpu")
     report = analyze(parse_module_text(lowered.hlo_text), platform="tpu")
     assert report.profile.argument_bytes == xla["argument_size_in_bytes"]
     assert report.profile.output_bytes == pytest.approx(xla["output_size_in_bytes"], abs=2048)
+    if offload:
+        assert report.profile.host_bytes == pytest.approx(xla["host_temp_size_in_bytes"], rel=SMALL_HOST.get(name, 0.01))
     assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=0.03)
+
+
+#: tolerance of the predicted host bytes at size small where not 1%: gpt2.offload predicts all 48
+#: offloaded residuals (12 layers x 4 names x 1.5 MiB) in host memory at once, +4.3% over libtpu's
+#: host heap, which holds 46: libtpu's schedule offloads two of them late (its steps 2889 and
+#: 3132; the other 46 are all live at step 1660), after host copies have been read back
+SMALL_HOST: dict[str, float] = {"gpt2.offload": 0.05}
 
 
 def parse_module_text(text: str):  # type: ignore[no-untyped-def]
@@ -420,25 +442,54 @@ def test_per_device_module_prediction_within_10_percent_of_libtpu(stem: str) -> 
     assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=0.101 if policy else 0.10)
 
 
-def test_convolution_results_are_feature_minor_in_libtpus_modules() -> None:
-    """The on-chip layout the model gives conv results and pooling windows
-    (:func:`feature_minor_dims`: feature on the lanes, batch on the sublanes) is the one libtpu
-    chose for every such instruction of the compiled zoo that kept its ``b01f`` form, and
-    :func:`tpu_layout_bytes` is its size."""
-    from hloopt.passes.fusion_model import feature_minor_dims, tpu_layout_bytes
+def _check_activation_layouts(modules) -> int:  # type: ignore[no-untyped-def]
+    from hloopt.passes.fusion_model import activation_minor_dims, tpu_layout_bytes
 
     checked = 0
-    for path in sorted(ZOO.glob("*.tpu-v5e.hlo")):
-        for inst in parse_file(path).instructions():
+    for path, module in modules:
+        for inst in module.instructions():
             kept = inst.opcode != "convolution" or inst.attrs.get("dim_labels", "").endswith("->b01f")
-            dims = feature_minor_dims(inst) if kept else None
+            dims = activation_minor_dims(inst) if kept else None
             if dims is None:
                 continue
             layout = inst.shape.layout
-            assert layout is not None and tuple(layout.minor_to_major[:2]) == dims, (path.name, inst.name)
+            assert layout is not None and tuple(layout.minor_to_major[:2]) == dims, (path, inst.name)
             assert inst.shape.byte_size == tpu_layout_bytes(inst.shape.element_type, inst.shape.dims, *dims)
             checked += 1
-    assert checked >= 8
+    return checked
+
+
+def test_convolution_results_are_batch_and_feature_minor_in_libtpus_modules() -> None:
+    """The on-chip layout the model gives conv results and pooling windows
+    (:func:`activation_minor_dims`: batch and feature minor, in the order that pads less) is the
+    one libtpu chose for every such instruction of the compiled zoo that kept its ``b01f`` form,
+    and :func:`tpu_layout_bytes` is its size."""
+    modules = [(p.name, parse_file(p)) for p in sorted(ZOO.glob("*.tpu-v5e.hlo"))]
+    assert _check_activation_layouts(modules) >= 8
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_convnets_of_batch_8_and_more_within_10_percent() -> None:
+    """Convnets libtpu does not rewrite (a batch that fills the 8 sublanes), compiled here: the
+    pre-optimization prediction within 10% of libtpu's peak. Measured (tiny widths, 16x16 images
+    unless said): batch 8 -6.9%, batch 16 -7.6% (+53.8% while the model put the feature dimension
+    on the lanes regardless: libtpu lays these out batch-minor, ``{0,3,2,1}``), batch 32 on 8x8
+    images -0.9%. And the layouts libtpu chose are the ones the model gives."""
+    from fixtures.zoo import convnet
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+
+    compiled = []
+    for batch, image in ((8, 16), (16, 16), (32, 8)):
+        step, args = convnet.make("tiny", batch=batch, image=image)
+        pre = lower(step, *args, platform="tpu")
+        low = lower(step, *args, platform="tpu", compile="tpu-v5e")
+        assert low.memory is not None and low.compiled_text is not None
+        predicted = analyze(parse_module(pre.hlo_text), platform="tpu").peak_bytes
+        assert predicted == pytest.approx(low.memory["peak_memory_in_bytes"], rel=0.10), (batch, image)
+        compiled.append((f"batch {batch}", parse_module(low.compiled_text)))
+    assert _check_activation_layouts(compiled) >= 12
 
 
 @pytest.mark.parametrize("model", ["mlp", "convnet", "gpt2", "llama", "sharded"])
@@ -458,3 +509,62 @@ def test_predicted_host_bytes_match_libtpu(model: str) -> None:
     else:
         assert predicted == _figures(stem)["host_temp_size_in_bytes"]
     assert analyze(ZOO / f"{model}.tpu.hlo", platform="tpu").profile.host_bytes == 0
+
+
+def _prefetches(module):  # type: ignore[no-untyped-def]
+    """(offload copy-done, prefetch copy-start) pairs of a compiled module's entry."""
+    return [(i.operands[0], i) for i in module.entry.instructions
+            if i.opcode == "copy-start" and i.operands and i.operands[0].opcode == "copy-done"
+            and i.operands[0].shape.on_host]
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt2", "convnet", "llama", "sharded"])
+def test_libtpu_prefetches_an_offloaded_value_right_after_offloading_it(model: str) -> None:
+    """The premise of ``prefetch_at_offload`` (passes/memory.py), on libtpu's own schedules:
+    outside a loop, the copy back to the device starts at most a few async copies (gpt2: one
+    fusion) after the offload is done, and the backward pass reads it at least three times as many
+    steps later (51-205 steps).
+    A scan's stacked residual is read back inside the backward loop instead (llama, sharded)."""
+    module = parse_file(ZOO / f"{model}.offload.tpu-v5e.hlo")
+    pos = {inst: k for k, inst in enumerate(module.entry.instructions)}
+    pairs = _prefetches(module)
+    if model in ("llama", "sharded"):
+        assert pairs == []
+        return
+    assert pairs
+    for done, start in pairs:
+        assert 0 < pos[start] - pos[done] <= 40, (done.name, start.name)
+        readers = [u for d in start.users if d.opcode == "copy-done" for u in d.users]
+        assert readers and min(pos[u] for u in readers) - pos[start] >= 3 * (pos[start] - pos[done]) + 40, start.name
+
+
+def test_device_annotations_read_back_their_offload() -> None:
+    """``offloaded_source`` finds the ``pinned_host`` annotation a ``device`` annotation reads
+    back through jax.checkpoint's barrier (gpt2: four names, two layers), and none for a scan's
+    per-layer slice of its host stack (llama)."""
+    from hloopt.passes.inline import inline_for_assignment
+    from hloopt.passes.residuals import is_device_annotation, is_host_annotation, offloaded_source
+
+    gpt2 = inline_for_assignment(parse_file(ZOO / "gpt2.offload.tpu.hlo"))
+    back = [i for i in gpt2.entry.instructions if is_device_annotation(i)]
+    assert len(back) == 8
+    sources = [offloaded_source(i) for i in back]
+    assert all(s is not None and is_host_annotation(s) for s in sources)
+    assert len(set(sources)) == 8
+    llama = inline_for_assignment(parse_file(ZOO / "llama.offload.tpu.hlo"))
+    back = [i for i in llama.instructions() if is_device_annotation(i)]
+    assert back and all(offloaded_source(i) is None for i in back)
+
+
+def test_offload_outside_a_loop_saves_no_hbm_in_the_prediction() -> None:
+    """With libtpu's prefetch right after the offload, gpt2's offloaded residuals stay on the
+    device from the forward to the backward pass: the predicted device peak is not below the
+    one with the device copies counted only from where the backward reads them."""
+    from hloopt.analysis import profile_module, settings_for
+
+    module = parse_file(ZOO / "gpt2.offload.tpu.hlo")
+    eager, _ = profile_module(module, platform="tpu")
+    late, _ = profile_module(parse_file(ZOO / "gpt2.offload.tpu.hlo"), platform="tpu", prefetch_at_offload=False)
+    assert settings_for(module, platform="tpu")["prefetch_at_offload"]
+    assert eager.host_bytes == late.host_bytes == _figures("gpt2.offload")["host_temp_size_in_bytes"]
+    assert eager.peak_bytes > late.peak_bytes
