@@ -44,6 +44,8 @@ class MemoryReport:
     #: the compiler's memory_analysis() figures when compiled here, or from a snapshot's JSON
     xla: Mapping[str, int] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    #: what the reader should know about the figures (a TPU prediction's known blind spots)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
@@ -68,6 +70,7 @@ class MemoryReport:
             "categories": p.categories,
             "live_at_peak": [b.to_json() for b in p.top],
             "settings": self.settings,
+            "notes": list(self.notes),
         }
         if self.xla is not None:
             out["xla"] = dict(self.xla)
@@ -144,7 +147,7 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
     if isinstance(target, Module):
         prof, s = profile_module(target, platform=platform, schedule=schedule, top=top,
                                  code_bytes=_code(xla))
-        return MemoryReport(target.name, "hlo", prof, xla, s)
+        return MemoryReport(target.name, "hlo", prof, xla, s, prediction_notes(prof, s))
     from hloopt.targets import resolve
 
     t = resolve(str(target), size=size)
@@ -155,7 +158,7 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
         module = parse_module(t.text, filename=str(t.path))
         xla = xla if xla is not None else _snapshot_figures(t.path)
         prof, s = profile_module(module, platform=platform, schedule=schedule, top=top, code_bytes=_code(xla))
-        return MemoryReport(module.name, "hlo", prof, xla, s)
+        return MemoryReport(module.name, "hlo", prof, xla, s, prediction_notes(prof, s))
 
     from hloopt.lowering import lower
 
@@ -164,12 +167,42 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
     if compile is None:
         module = parse_module(lowered.hlo_text, filename=str(target))
         prof, s = profile_module(module, platform=plat, schedule=schedule, top=top)
-        return MemoryReport(module.name, f"lowered:{plat}", prof, None, s)
+        return MemoryReport(module.name, f"lowered:{plat}", prof, None, s, prediction_notes(prof, s))
     assert lowered.compiled_text is not None
     module = parse_module(lowered.compiled_text, filename=str(target))
     figures = dict(lowered.memory or {})
     prof, s = profile_module(module, platform=plat, schedule=schedule, top=top, code_bytes=_code(figures))
     return MemoryReport(module.name, f"compiled:{compile}", prof, figures, s)
+
+
+def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[str]:
+    """Known blind spots of a TPU prediction that apply to this module (passes/memory.py)."""
+    if settings.get("kind") != "tpu-predicted":
+        return []
+    from hloopt.passes.residuals import offloaded_source
+
+    notes: list[str] = []
+    steps = prof.ranges.steps
+    narrow = sum(1 for i in steps if i.opcode == "convolution" and _conv_batch(i) is not None
+                 and 1 <= _conv_batch(i) < 8)  # type: ignore[operator]
+    if narrow:
+        notes.append(f"{narrow} convolution(s) over a batch smaller than 8: libtpu may rewrite them (0b1f) "
+                     "and copy values between layouts, which the prediction does not model (measured "
+                     "on such convnets: -56% to -2%, bench/convnet_shapes.py)")
+    eager = sum(1 for i in steps if offloaded_source(i) is not None)
+    if eager:
+        notes.append(f"{eager} value(s) offloaded outside a loop: libtpu copies them back right after "
+                     "offloading them, so they are counted on the device throughout (no HBM saved)")
+    return notes
+
+
+def _conv_batch(inst: Instruction) -> int | None:
+    """The batch of a convolution over activations (``dim_labels`` ``b01f_...``), else None."""
+    labels = inst.attrs.get("dim_labels", "")
+    lhs = labels.split("_")[0] if "_" in labels else ""
+    if not lhs.startswith("b") or not inst.operands or len(inst.operands[0].shape.dims) != len(lhs):
+        return None
+    return inst.operands[0].shape.dims[lhs.index("b")]
 
 
 def _code(xla: Mapping[str, int] | None) -> int:
@@ -266,4 +299,4 @@ def _to_host(inst: Instruction) -> None:
     inst.shape = Shape(shape.element_type, shape.dims, shape.dynamic, Layout(m2m, tiles, memory_space=HOST_MEMORY_SPACE))
 
 
-__all__ = ["MemoryReport", "analyze", "profile_module", "settings_for"]
+__all__ = ["MemoryReport", "analyze", "prediction_notes", "profile_module", "settings_for"]

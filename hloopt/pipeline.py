@@ -273,6 +273,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
 
     contrib = np.zeros(len(steps) + 1, dtype=np.int64)
     counted: set[int] = set()  # buffer ids an instance already stands for
+    notes: dict[str, str] = {"module": module.name, "source": an.source}
     candidates: list[Candidate] = []
     for key in sorted(groups, key=lambda k: (-sum(r.bytes for r in groups[k]), k)):
         rs = groups[key]
@@ -321,6 +322,11 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
             # a checkpoint's own input: not saving it makes JAX save that input, the same bytes,
             # so there is no recomputation to choose.
             allowed = allowed - {Action.REMAT}
+        if profile.kind == "tpu" and not all(r.forward_loop is not None and r.layers > 1 for r in rs):
+            # libtpu copies a value offloaded outside a loop back as soon as it is on the host
+            # (passes/memory.py, prefetch_at_offload): the plan's saving may not materialize
+            notes[f"eager:{key}"] = ("outside a loop: libtpu copies it back right away, check with "
+                                     "hloopt verify --compile tpu-...")
         name = r0.name
         selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
         candidates.append(Candidate(
@@ -340,8 +346,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         duplex_d2h_bytes_per_s=profile.duplex_d2h_bytes_per_s,
         duplex_h2d_bytes_per_s=profile.duplex_h2d_bytes_per_s,
         transfer_latency_s=profile.transfer_latency_s, dma_engines=profile.dma_engines,
-        prefetch_window_steps=prefetch_window_steps, device=profile.name,
-        notes={"module": module.name, "source": an.source},
+        prefetch_window_steps=prefetch_window_steps, device=profile.name, notes=notes,
     )
     return problem, smap
 
@@ -630,7 +635,10 @@ def _reason(c: Candidate, action: Action, problem: Problem) -> str:
     if action == Action.OFFLOAD:
         per = c.instances[0]
         move_s = problem.transfer_latency_s + per.bytes / max(problem.d2h_bytes_per_s, 1.0)
-        return f"frees {c.bytes} B between forward and backward; each move {format_seconds(move_s)}"
+        why = f"frees {c.bytes} B between forward and backward; each move {format_seconds(move_s)}"
+        if f"eager:{c.key}" in problem.notes:
+            why += f" ({problem.notes[f'eager:{c.key}']})"
+        return why
     if action == Action.REMAT:
         return f"recompute costs {format_seconds(c.remat_s)}, cheaper than moving it"
     if Action.OFFLOAD not in c.allowed:

@@ -201,3 +201,17 @@ def test_compiled_peak_fits_and_matches_the_prediction(model: str) -> None:
         assert real <= plan.budget.bytes, (real, plan.budget.bytes)
     err = abs(plan.predicted.peak_bytes - real) / real
     assert err <= 0.03, f"predicted {plan.predicted.peak_bytes} B, XLA {real} B: {err:.1%} off"
+
+
+def test_offloads_outside_a_loop_say_libtpu_copies_them_back() -> None:
+    """On a TPU profile, an offload of a value outside a loop (gpt2's unrolled layers) carries the
+    warning that libtpu copies it back right after offloading it (passes/memory.py); a scan's
+    stacked residuals (llama small at the README's 75% budget) stay on the host until their layer
+    and carry none."""
+    gpt2 = [d for d in outcome("gpt2", budget=str(budgets("gpt2")[1])).plan.decisions if d.action == "offload"]
+    assert gpt2 and all("libtpu copies it back right away" in d.reason for d in gpt2)
+    from hloopt import pipeline
+
+    small = pipeline.plan("fixtures/zoo/llama.py:small", profile=PROFILE, budget="75%").plan  # the README's
+    llama = [d for d in small.decisions if d.action == "offload"]
+    assert llama and not any("libtpu" in d.reason for d in llama)

@@ -568,3 +568,16 @@ def test_offload_outside_a_loop_saves_no_hbm_in_the_prediction() -> None:
     assert settings_for(module, platform="tpu")["prefetch_at_offload"]
     assert eager.host_bytes == late.host_bytes == _figures("gpt2.offload")["host_temp_size_in_bytes"]
     assert eager.peak_bytes > late.peak_bytes
+
+
+def test_prediction_notes_name_its_blind_spots() -> None:
+    """A TPU prediction says when the module has what the model does not cover (a convolution
+    over a batch below 8) or what libtpu does that a user would not expect (offloads outside a
+    loop copied straight back); a scan's offloads and a compiled module get no such notes."""
+    convnet = analyze(ZOO / "convnet.tpu.hlo", platform="tpu")
+    assert len(convnet.notes) == 1 and "batch smaller than 8" in convnet.notes[0]
+    assert convnet.to_json()["notes"] == convnet.notes
+    offloaded = analyze(ZOO / "gpt2.offload.tpu.hlo", platform="tpu").notes
+    assert len(offloaded) == 1 and offloaded[0].startswith("8 value(s) offloaded outside a loop")
+    assert analyze(ZOO / "llama.offload.tpu.hlo", platform="tpu").notes == []
+    assert analyze(ZOO / "convnet.tpu-v5e.hlo").notes == []

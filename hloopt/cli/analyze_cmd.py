@@ -103,3 +103,5 @@ def _show(report) -> None:  # type: ignore[no-untyped-def]
         for b in j["live_at_peak"]:
             t.add_row(b["name"], b["shape"], format_bytes(b["bytes"]), b["category"], b["op_name"], b["source"])
         console.print(t)
+    for note in j.get("notes", ()):
+        console.print(f"note: {note}")
