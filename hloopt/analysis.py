@@ -10,10 +10,11 @@ with the settings that reproduce how the module's compiler counts:
   generated code; see :mod:`hloopt.passes.memory`);
 * any other scheduled module (XLA CPU/GPU output): the module's schedule, exact sizes;
 * a pre-optimization module: ``platform="tpu"`` inlines calls (XLA's CallInliner, as the
-  planner does), models XLA's fusion of cheap ops, TPU tiling and libtpu's placement of
-  temporaries inside output allocations, over a memory-aware list schedule: a prediction of
-  libtpu's ``peak_memory_in_bytes`` (its HBM heap; the on-chip VMEM heap that tiny models report
-  is not modeled); other platforms use text order.
+  planner does), models XLA's fusion of cheap ops, TPU tiling, libtpu's placement of
+  temporaries inside output allocations, its memory-space assignment into VMEM and its copy back
+  of offloaded values right after the offload, over a memory-aware list schedule: a prediction
+  of libtpu's ``peak_memory_in_bytes``, with :func:`prediction_notes` naming what it does not
+  cover in this module; other platforms use text order.
 
 HLO files and dumps never import jax.
 """
