@@ -160,3 +160,11 @@ def test_report_json_is_clean_and_bad_json_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "x.json").write_text('{"hello": 1}')
     r = CliRunner().invoke(cli, ["report", str(tmp_path / "x.json")])
     assert r.exit_code == 2 and re.search(r"must be a plan", r.output) and len(r.output.strip().splitlines()) == 1
+
+
+def test_memory_report_carries_the_predictions_notes() -> None:
+    """The notes ``hloopt analyze`` prints for a TPU prediction reach the HTML report too."""
+    rep = analyze(ZOO / "gpt2.offload.tpu.hlo", platform="tpu")
+    data = report_data_from_memory(rep, V5E.to_dict())
+    assert rep.notes and [data.assumptions[f"note {k}"] for k in range(1, len(rep.notes) + 1)] == rep.notes
+    assert "libtpu copies them back" in render_html(data)

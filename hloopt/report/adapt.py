@@ -288,6 +288,8 @@ def report_data_from_memory(report: Any, device: Mapping[str, Any], *, budget_by
         assumptions["generated code"] = format_bytes(prof.code_bytes) + " resident (XLA's figure), counted as static"
     if prof.host_bytes:
         assumptions["host memory (S(5))"] = f"{format_bytes(prof.host_bytes)} at most, not counted as device"
+    for k, text in enumerate(getattr(report, "notes", ()), 1):
+        assumptions[f"note {k}"] = text
     return ReportData(
         module_name=module.name, device=dict(device), budget_bytes=budget_bytes, step_labels=labels,
         baseline_by_category={c: v.tolist() for c, v in flat.items()},
