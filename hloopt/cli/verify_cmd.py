@@ -65,6 +65,11 @@ def _show(r: object) -> None:
         budget = f", budget {format_bytes(r.budget_bytes)}" if r.budget_bytes is not None else ""
         click.echo(f"  {r.compiled_for}: XLA peak {_b(peak)} (plan predicted {format_bytes(r.predicted_peak_bytes)}"
                    f"{budget}), host temp {_b(host)}")
+    if r.modeled_peak_bytes is not None:
+        click.echo(f"  memory model (pre-optimization, TPU): peak {format_bytes(r.modeled_peak_bytes)} "
+                   f"(plan predicted {format_bytes(r.predicted_peak_bytes)})")
+    for w in r.warnings:
+        click.echo(f"  warning: {w}")
     click.echo("OK: the policy offloads exactly the plan" if r.ok else
                "MISMATCH:\n" + "\n".join(f"  {p}" for p in r.problems))
 
