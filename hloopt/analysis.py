@@ -99,7 +99,8 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
         return {"kind": "tpu-predicted", "schedule": schedule or "list", "materialize": "tpu-fusion",
                 "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": False,
                 "code_bytes": code_bytes, "reuse_output_allocations": True, "on_chip_heap": True,  # predicted MSA
-                "prefetch_at_offload": True}  # libtpu's schedule of offloads (passes/memory.py)
+                "prefetch_at_offload": True,  # libtpu's schedule of offloads (passes/memory.py)
+                "narrow_stacks": True}  # bf16 scan stacks (passes/fusion_model.py)
     return {"kind": "unoptimized", "schedule": schedule or "module", "materialize": "all",
             "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
             "code_bytes": code_bytes, **plain}
@@ -124,7 +125,8 @@ def profile_module(module: Module, *, platform: str | None = None, schedule: str
     elif s["kind"] == "unoptimized" and _place_annotated_on_host(module):
         am = None  # shapes changed: analyses cached on the module are stale
     am = am or AnalysisManager(module)
-    live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"])
+    live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"],
+                    narrow_stacks=bool(s.get("narrow_stacks", False)))
     prof = am.get(PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
                              static_allocations=s["static_allocations"], code_bytes=s["code_bytes"],
                              reuse_output_allocations=s["reuse_output_allocations"],

@@ -185,6 +185,8 @@ class Liveness(Analysis[LiveRanges]):
     #: round every buffer up to this many bytes (TPU allocates HBM in 512-byte units: an index
     #: table of a few pointers takes 512 bytes); 0 = exact sizes
     alignment_bytes: int = 0
+    #: with "tpu-fusion": count a scan's stacks libtpu stores as bf16 so (TpuFusion.narrow_stacks)
+    narrow_stacks: bool = False
 
     def run(self, module: Module, am: AnalysisManager) -> LiveRanges:
         with gc_paused():
@@ -227,7 +229,7 @@ class Liveness(Analysis[LiveRanges]):
         time = {inst: t for t, inst in enumerate(steps)}
         last = len(steps) - 1
 
-        plan = am.get(TpuFusion()) if self.materialize == "tpu-fusion" else None  # passes/fusion_model.py
+        plan = am.get(TpuFusion(narrow_stacks=self.narrow_stacks)) if self.materialize == "tpu-fusion" else None  # passes/fusion_model.py
         fused = plan.fused if plan is not None else frozenset()
         fused = fused | storage_views(steps)
         # Last step reading each instruction; a fused-away reader reads on behalf of its readers.

@@ -36,3 +36,13 @@ def test_small_plan_fits_and_predicts_libtpus_peak(model, mode):
     # offload lowers: the plan keeps everything), convnet +0.36% (its rematerialized relu masks
     # are fused into their readers, never stored: Candidate.remat_fused)
     assert abs(predicted - real) / real <= 0.03, (predicted, real)
+    # verify's second opinion, the memory model on the re-lowered step (no compiler): measured
+    # llama -0.04% (+10% before libtpu's bf16 scan stacks were modeled), gpt2 +2.04%, mlp +0.28%;
+    # convnet +27.2%: JAX's var() recomputes the normalization's x - mean through another
+    # reshape chain, which XLA merges after simplification and the model keeps apart
+    modeled = result.modeled_peak_bytes
+    assert modeled is not None
+    if model != "convnet":
+        assert abs(modeled - real) / real <= 0.03, (modeled, real)
+    else:
+        assert modeled > real

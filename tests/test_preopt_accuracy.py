@@ -581,3 +581,66 @@ def test_prediction_notes_name_its_blind_spots() -> None:
     assert len(offloaded) == 1 and offloaded[0].startswith("8 value(s) offloaded outside a loop")
     assert analyze(ZOO / "llama.offload.tpu.hlo", platform="tpu").notes == []
     assert analyze(ZOO / "convnet.tpu-v5e.hlo").notes == []
+
+
+def test_scan_stacks_read_back_only_by_matmuls_are_stored_bf16() -> None:
+    """``bf16_stacks``: a forward loop's stack that the backward loop only slices for
+    default-precision matmuls is narrowed (the update that fills it and the backward loop's read
+    of it); one the backward loop also reads elementwise is not. Hand-written two-loop module."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.passes.fusion_model import bf16_stacks
+
+    def module(reader: str) -> str:
+        return f"""HloModule m
+fcond {{
+  p = (s32[], f32[4,8,128]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  n = s32[] constant(4)
+  ROOT lt = pred[] compare(i, n), direction=LT
+}}
+fbody {{
+  p = (s32[], f32[4,8,128]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  st = f32[4,8,128] get-tuple-element(p), index=1
+  x = f32[1,8,128] broadcast(f32[] constant(1)), dimensions={{}}
+  z = s32[] constant(0)
+  upd = f32[4,8,128] dynamic-update-slice(st, x, i, z, z)
+  one = s32[] constant(1)
+  j = s32[] add(i, one)
+  ROOT t = (s32[], f32[4,8,128]) tuple(j, upd)
+}}
+bbody {{
+  p = (s32[], f32[4,8,128], f32[128,128]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  st = f32[4,8,128] get-tuple-element(p), index=1
+  w = f32[128,128] get-tuple-element(p), index=2
+  z = s32[] constant(0)
+  sl = f32[1,8,128] dynamic-slice(st, i, z, z), dynamic_slice_sizes={{1,8,128}}
+  r = f32[8,128] reshape(sl)
+  {reader}
+  one = s32[] constant(1)
+  j = s32[] add(i, one)
+  ROOT t = (s32[], f32[4,8,128], f32[128,128]) tuple(j, st, y)
+}}
+bcond {{
+  p = (s32[], f32[4,8,128], f32[128,128]) parameter(0)
+  i = s32[] get-tuple-element(p), index=0
+  n = s32[] constant(4)
+  ROOT lt = pred[] compare(i, n), direction=LT
+}}
+ENTRY e {{
+  z = s32[] constant(0)
+  zeros = f32[4,8,128] broadcast(f32[] constant(0)), dimensions={{}}
+  w = f32[128,128] parameter(0)
+  f = (s32[], f32[4,8,128]) while((s32[], f32[4,8,128]) tuple(z, zeros)), condition=fcond, body=fbody
+  st = f32[4,8,128] get-tuple-element(f), index=1
+  b = (s32[], f32[4,8,128], f32[128,128]) while((s32[], f32[4,8,128], f32[128,128]) tuple(z, st, w)), condition=bcond, body=bbody
+  ROOT out = f32[128,128] get-tuple-element(b), index=2
+}}
+"""
+
+    dot = "y = f32[128,128] dot(r, r), lhs_contracting_dims={0}, rhs_contracting_dims={0}"
+    narrowed = {i.name for i in bf16_stacks(parse_module(module(dot)))}
+    assert narrowed == {"upd", "st"}  # the forward update and the backward loop's read
+    elementwise = "e2 = f32[8,128] exponential(r)\n  y = f32[128,128] dot(e2, r), lhs_contracting_dims={0}, rhs_contracting_dims={0}"
+    assert bf16_stacks(parse_module(module(elementwise))) == set()
