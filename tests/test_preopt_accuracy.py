@@ -644,3 +644,23 @@ ENTRY e {{
     assert narrowed == {"upd", "st"}  # the forward update and the backward loop's read
     elementwise = "e2 = f32[8,128] exponential(r)\n  y = f32[128,128] dot(e2, r), lhs_contracting_dims={0}, rhs_contracting_dims={0}"
     assert bf16_stacks(parse_module(module(elementwise))) == set()
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_llama_small_with_everything_saved_within_3_percent() -> None:
+    """The scan's stacks of an every-residual-saved llama step (what ``hloopt plan`` lowers),
+    compiled here: libtpu stores those the backward loop reads only through matmuls as bf16
+    (:func:`bf16_stacks`). Measured: -2.75% of libtpu's peak (2,557,909,504 B); +12.7% while they
+    were counted f32."""
+    import jax
+
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+    from hloopt.targets import resolve
+
+    t = resolve("fixtures/zoo/llama.py:small").rebuild(policy=jax.checkpoint_policies.everything_saveable)
+    predicted = analyze(parse_module(lower(t, platform="tpu").hlo_text), platform="tpu").peak_bytes
+    low = lower(t, platform="tpu", compile="tpu-v5e")
+    assert low.memory is not None
+    assert predicted == pytest.approx(low.memory["peak_memory_in_bytes"], rel=0.03)
