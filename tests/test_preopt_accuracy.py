@@ -646,20 +646,26 @@ ENTRY e {{
     assert bf16_stacks(parse_module(module(elementwise))) == set()
 
 
+#: the every-residual-saved small steps, > 3%: convnet (like its offloaded step, SMALL_MISSES)
+SAVED_MISSES = {"convnet": -0.152}
+
+
 @pytest.mark.slow
 @pytest.mark.tpu
-def test_llama_small_with_everything_saved_within_3_percent() -> None:
-    """The scan's stacks of an every-residual-saved llama step (what ``hloopt plan`` lowers),
-    compiled here: libtpu stores those the backward loop reads only through matmuls as bf16
-    (:func:`bf16_stacks`). Measured: -2.75% of libtpu's peak (2,557,909,504 B); +12.7% while they
-    were counted f32."""
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xfail(
+    strict=True, reason=f"measured {SAVED_MISSES[m]:+.1%}")) if m in SAVED_MISSES else m
+    for m in ("llama", "gpt2", "mlp", "sharded", "convnet")])
+def test_small_steps_with_everything_saved_within_3_percent(model: str) -> None:
+    """The every-residual-saved step ``hloopt plan`` lowers, compiled here. Measured: llama -2.75%
+    (+12.7% while its scan stacks that the backward loop reads only through matmuls were counted
+    f32; libtpu stores them bf16, :func:`bf16_stacks`), gpt2 +2.17%, mlp +0.28%, sharded -0.56%."""
     import jax
 
     from hloopt.hlo.parser import parse_module
     from hloopt.lowering import lower
     from hloopt.targets import resolve
 
-    t = resolve("fixtures/zoo/llama.py:small").rebuild(policy=jax.checkpoint_policies.everything_saveable)
+    t = resolve(f"fixtures/zoo/{model}.py:small").rebuild(policy=jax.checkpoint_policies.everything_saveable)
     predicted = analyze(parse_module(lower(t, platform="tpu").hlo_text), platform="tpu").peak_bytes
     low = lower(t, platform="tpu", compile="tpu-v5e")
     assert low.memory is not None
