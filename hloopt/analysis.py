@@ -186,8 +186,7 @@ def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[s
 
     notes: list[str] = []
     steps = prof.ranges.steps
-    narrow = sum(1 for i in steps if i.opcode == "convolution" and _conv_batch(i) is not None
-                 and 1 <= _conv_batch(i) < 8)  # type: ignore[operator]
+    narrow = sum(1 for i in steps if i.opcode == "convolution" and 1 <= (_conv_batch(i) or 0) < 8)
     if narrow:
         notes.append(f"{narrow} convolution(s) over a batch smaller than 8: libtpu may rewrite them (0b1f) "
                      "and copy values between layouts, which the prediction does not model (measured "

@@ -248,7 +248,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     residuals = [r for r in an.residuals if not r.offloaded and r.bytes > 0]
     expand: dict[int, int] = {}
     for r in residuals:
-        if r.forward_loop is not None and r.layers > 1:
+        if r.stacked:
             expand[r.forward_loop.index] = r.layers
             if r.backward_loop is not None:
                 expand[r.backward_loop.index] = r.layers
@@ -281,7 +281,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         remat_s = 0.0
         for r in rs:
             per = r.per_layer_bytes if r.layers > 1 else r.bytes
-            if r.forward_loop is not None and r.layers > 1:
+            if r.stacked:
                 fl = r.forward_loop.index
                 bl = r.backward_loop.index if r.backward_loop is not None else None
                 stack_start = _stack_start(an, r, smap, default=smap.at(fl))
@@ -322,7 +322,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
             # a checkpoint's own input: not saving it makes JAX save that input, the same bytes,
             # so there is no recomputation to choose.
             allowed = allowed - {Action.REMAT}
-        if profile.kind == "tpu" and not all(r.forward_loop is not None and r.layers > 1 for r in rs):
+        if profile.kind == "tpu" and not all(r.stacked for r in rs):
             # libtpu copies a value offloaded outside a loop back as soon as it is on the host
             # (passes/memory.py, prefetch_at_offload): the plan's saving may not materialize
             notes[f"eager:{key}"] = ("outside a loop: libtpu copies it back right away, check with "

@@ -46,8 +46,6 @@ from hloopt.plan import Decision, Plan
 
 __all__ = ["Annotation", "DecisionCheck", "Verification", "offload_annotations", "verify"]
 
-TARGET = "annotate_device_placement"
-HOST = "pinned_host"
 
 
 @dataclass(frozen=True)
@@ -135,14 +133,14 @@ class Verification:
 def offload_annotations(module: Any) -> list[Annotation]:
     """Every pinned_host ``annotate_device_placement`` in ``module`` (Module or HLO text)."""
     from hloopt.hlo.parser import parse_module
+    from hloopt.passes.residuals import is_host_annotation
 
     mod = parse_module(module) if isinstance(module, str) else module
     mult = _multiplicities(mod)
     out = []
     for comp in mod.computations.values():
         for inst in comp.instructions:
-            if (inst.opcode == "custom-call" and inst.custom_call_target == TARGET
-                    and inst.frontend_attributes.get("_xla_buffer_placement") == HOST):
+            if is_host_annotation(inst):
                 operand = inst.operands[0].name if inst.operands else ""
                 out.append(Annotation(computation=comp.name, instruction=inst.name, operand=operand,
                                       shape=_shape_text(inst.shape), bytes=inst.shape.byte_size,

@@ -641,7 +641,9 @@ def _matmul_readers_only(value: Instruction, limit: int = 64) -> bool:
     """Every reader of ``value`` (through bitcasts and reshapes) is a default-precision f32
     matmul (:func:`is_bf16_matmul`); False when there is none or the walk grows past ``limit``."""
     readers = _view_readers(value, lambda u, v: u.opcode in _VIEWS, limit)
-    return bool(readers) and all(is_bf16_matmul(u) for u, _ in readers or ())
+    if not readers:
+        return False
+    return all(is_bf16_matmul(u) for u, _ in readers)
 
 
 def bf16_stacks(module: Module) -> set[Instruction]:

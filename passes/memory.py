@@ -463,7 +463,6 @@ def activation_minor_sizes(lr: LiveRanges, movable: set[int]) -> dict[int, int]:
     return out
 
 
-
 def packed_bytes(live: Counter[int], capacity_bytes: int) -> int:
     """Bytes of the live buffers (``{size: count}``) that fit ``capacity_bytes`` placed whole,
     largest first."""

@@ -72,17 +72,22 @@ _SIDE_EFFECT_SOURCES = frozenset({"rng", "rng-bit-generator", "infeed", "recv", 
 _DTYPE_FLOAT = re.compile(r"^(f|bf)\d")
 
 
+def _placement(inst: Instruction) -> str | None:
+    """Where an ``annotate_device_placement`` custom-call puts its value (``_xla_buffer_placement``)."""
+    if inst.opcode != "custom-call" or inst.custom_call_target != "annotate_device_placement":
+        return None
+    return inst.frontend_attributes.get("_xla_buffer_placement")
+
+
 def is_host_annotation(inst: Instruction) -> bool:
     """``custom-call(...) annotate_device_placement`` to ``pinned_host`` (JAX's offload marker)."""
-    return (inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement"
-            and inst.frontend_attributes.get("_xla_buffer_placement") == "pinned_host")
+    return _placement(inst) == "pinned_host"
 
 
 def is_device_annotation(inst: Instruction) -> bool:
     """``custom-call(...) annotate_device_placement`` to ``device``: JAX's read of an offloaded
     value back into device memory (where the backward pass uses it)."""
-    return (inst.opcode == "custom-call" and inst.custom_call_target == "annotate_device_placement"
-            and inst.frontend_attributes.get("_xla_buffer_placement") == "device")
+    return _placement(inst) == "device"
 
 
 def offloaded_source(inst: Instruction) -> Instruction | None:
@@ -195,6 +200,11 @@ class Residual:
     @property
     def shape(self) -> Shape:
         return self.inst.shape
+
+    @property
+    def stacked(self) -> bool:
+        """One ``[L, ...]`` buffer a forward loop fills, a layer per iteration (a scan's residual)."""
+        return self.forward_loop is not None and self.layers > 1
 
     @property
     def per_layer_bytes(self) -> int:
