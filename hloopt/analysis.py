@@ -188,9 +188,9 @@ def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[s
     steps = prof.ranges.steps
     narrow = sum(1 for i in steps if i.opcode == "convolution" and 1 <= (_conv_batch(i) or 0) < 8)
     if narrow:
-        notes.append(f"{narrow} convolution(s) over a batch smaller than 8: libtpu may rewrite them (0b1f) "
-                     "and copy values between layouts, which the prediction does not model (measured "
-                     "on such convnets: -56% to -2%, bench/convnet_shapes.py)")
+        notes.append(f"{narrow} convolution(s) over a batch smaller than 8: libtpu may rewrite them (0b1f); "
+                     "the prediction models the values it copies between layouts (measured on such "
+                     "convnets: -32% to +7%, bench/convnet_shapes.py)")
     eager = sum(1 for i in steps if offloaded_source(i) is not None)
     if eager:
         notes.append(f"{eager} value(s) offloaded outside a loop: libtpu copies them back right after "

@@ -38,6 +38,15 @@ Three models, each checked against libtpu's compiled modules of the zoo (``fixtu
   materialized when it feeds loop state, a tuple or the root (XLA writes the last fused op there),
   unless it is a scalar or a constant. Reductions, dots, convolutions, gathers/scatters,
   dynamic-(update-)slices, sorts, loops and calls are fusion roots: they hold their result.
+  **Layout boundaries** (:func:`layout_boundaries`): libtpu rewrites a forward convolution over a
+  batch below the 8 sublanes into another layout (spatial rows folded into the batch, ``0b1f``)
+  and computes the elementwise values after it in that layout (the normalization, the relu); a
+  value of that region read outside it (the backward's fusions that mix in the pooling gradient,
+  ``select-and-scatter``) cannot fuse across the layout change: libtpu materializes it and copies
+  it to the batch/feature-minor layout (its compiled tiny convnet: ``x - mean``, the normalized
+  ``x`` and the relu mask, each as a multi-output fusion's output then a ``copy``). Those values
+  are materialized here, laid out like the convolution (:func:`activation_minor_dims`). The
+  statistics' reductions and the forward pooling stay in the region.
 * **Storage type** (:func:`bf16_stored`): TPU runs an f32 dot or convolution at default
   precision as one bf16 MXU pass on ``convert(operand)``. When every reader of a materialized
   f32 value (through tuples, get-tuple-elements and the optimization barriers of
@@ -154,7 +163,8 @@ def tpu_layout_bytes(element_type: str, dims: tuple[int, ...] | list[int], minor
 def activation_minor_dims(inst: Instruction) -> tuple[int, int] | None:
     """(lane, sublane) dimensions of a value libtpu lays out with its batch and feature dimensions
     minor on chip: a 2-D convolution's result and the pooling windows over such values
-    (``reduce-window``/``select-and-scatter`` that do not window the first and last dims). Of the
+    (``reduce-window``/``select-and-scatter`` that do not window the first and last dims), and the
+    elementwise values computed from such a result (:func:`_from_convolution`). Of the
     two orders, the one with fewer padded bytes: feature on the lanes when the batch fills the
     sublanes (``f32[4,16,16,8]{3,0,2,1:T(4,128)S(1)}``, ``f32[32,64,64,64]{3,0,2,1:T(8,128)}``),
     batch on the lanes when that pads less (``f32[16,16,16,8]{0,3,2,1:T(8,128)S(1)}``)."""
@@ -171,6 +181,8 @@ def activation_minor_dims(inst: Instruction) -> tuple[int, int] | None:
         m = re.search(r"size=(\d+)x\d+x\d+x(\d+)", inst.attrs.get("window", ""))
         if m and m.group(1) == "1" and m.group(2) == "1":
             pair = 3, 0
+    elif inst.opcode in FUSIBLE and _from_convolution(inst):
+        pair = 3, 0
     if pair is None:
         return None
     f, b = pair
@@ -179,6 +191,26 @@ def activation_minor_dims(inst: Instruction) -> tuple[int, int] | None:
     if bits and _tiled_bytes(dims, b, f, bits) < _tiled_bytes(dims, f, b, bits):
         return b, f
     return f, b
+
+
+def _from_convolution(inst: Instruction, limit: int = 16) -> bool:
+    """An elementwise value computed (through elementwise ops of its dims) from a ``b01f``
+    convolution's result: it keeps that result's layout."""
+    seen: set[Instruction] = set()
+    todo = [inst]
+    while todo and len(seen) < limit:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for o in v.operands:
+            if not o.shape.is_array or o.shape.dims != inst.shape.dims:
+                continue
+            if o.opcode == "convolution":
+                return o.attrs.get("dim_labels", "").endswith("->b01f")
+            if o.opcode in FUSIBLE and o.opcode != "broadcast":
+                todo.append(o)
+    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,6 +584,51 @@ def fused_instructions(module: Module) -> set[Instruction]:
     return out
 
 
+def _rewritten_convolution(inst: Instruction) -> bool:
+    """A forward 2-D convolution over a batch smaller than the 8 sublanes, which libtpu rewrites
+    (spatial rows folded into the batch, ``0b1f``) and computes its elementwise readers in that
+    layout."""
+    if inst.opcode != "convolution" or not inst.shape.is_array or len(inst.shape.dims) != 4:
+        return False
+    if inst.attrs.get("dim_labels", "") != "b01f_01io->b01f" or "rhs_reversal" in inst.attrs.get("window", ""):
+        return False
+    return 0 < inst.shape.dims[0] < 8
+
+
+def layout_boundaries(module: Module, fused: set[Instruction]) -> set[Instruction]:
+    """Fused-away values libtpu materializes because they cross from a rewritten convolution's
+    layout (:func:`_rewritten_convolution`) to the batch/feature-minor one: an elementwise value
+    computed only from such a convolution's result (and vectors) that a reader outside that
+    region reads (the pooling gradient's operand, a fusion mixing in a value of the other layout)."""
+    region: set[Instruction] = set()
+    todo = [i for i in module.instructions() if _rewritten_convolution(i)]
+    big = {i: i.shape.dims for i in todo}
+    while todo:
+        v = todo.pop()
+        if v in region:
+            continue
+        region.add(v)
+        for u in v.users:
+            if u in region or u not in fused or not u.shape.is_array or u.shape.dims != v.shape.dims:
+                continue
+            if all(o in region or not o.shape.is_array or o.shape.num_elements * 8 <= v.shape.num_elements
+                   or (o.opcode == "broadcast" and o.operands and o.operands[0].shape.num_elements * 8 <= v.shape.num_elements)
+                   or o.opcode == "constant" for o in u.operands):
+                todo.append(u)
+    out: set[Instruction] = set()
+    for v in region:
+        if v not in fused:
+            continue
+        for u in v.users:
+            if u in region:
+                continue
+            if u.opcode == "reduce" or u.opcode == "reduce-window":
+                continue  # reduced in the rewritten layout (the normalization's statistics, the pool)
+            out.add(v)
+            break
+    return out
+
+
 #: ``operand_precision`` values that let TPU run an f32 dot/convolution as one bf16 MXU pass
 _ONE_PASS = frozenset({"default", "DEFAULT"})
 
@@ -768,9 +845,14 @@ class TpuFusion(Analysis[FusionPlan]):
     #: ``hloopt analyze``'s TPU prediction; the planner's Problem does not model them yet (its
     #: prediction of the README's llama plan moved from -0.86% to -14% of libtpu with them)
     narrow_stacks: bool = False
+    #: materialize the values that cross out of a rewritten convolution's layout
+    #: (:func:`layout_boundaries`)
+    layout_boundaries: bool = True
 
     def run(self, module: Module, am: AnalysisManager) -> FusionPlan:
         fused = fused_instructions(module)
+        if self.layout_boundaries:
+            fused -= layout_boundaries(module, fused)
         narrowed = bf16_stored(module, fused) | (bf16_stacks(module) if self.narrow_stacks else set())
         return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
                           frozenset(narrowed))

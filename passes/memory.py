@@ -70,12 +70,16 @@ Measured against libtpu 0.0.42 (v5e; tests/test_preopt_accuracy.py): at size sma
 heap libtpu reports is 101-112 MiB whenever the step's working set exceeds VMEM (mlp, gpt2;
 convnet's is exactly 112 MiB), all within 1.2%; at size tiny, where VMEM holds the whole working
 set, the VMEM heap (libtpu's dumps: the S(1) values live at the peak, within 16 KiB) is predicted
-within 8% for mlp, gpt2 and llama (offloaded or not) and sharded within 3%. Not modeled: for a
-convolution over a batch smaller than the 8 sublanes, libtpu rewrites the convolution (spatial
-rows folded into the batch, ``0b1f``) and copies the values around it between that layout and
-the batch/feature-minor one: the tiny zoo convnet (batch 4) is predicted -38%; convnets of batch
-8 to 64 from -12% to -1% (``bench/convnet_shapes.py``). An offloaded convolution result keeps its
-layout in host memory and in its copy back (:meth:`FusionPlan.value_bytes`).
+within 8% for mlp, gpt2 and llama (offloaded or not) and sharded within 3%. For a convolution
+over a batch smaller than the 8 sublanes, libtpu rewrites the convolution (spatial rows folded
+into the batch, ``0b1f``), computes the elementwise values after it in that layout and copies
+those a reader in the batch/feature-minor layout needs across: they are materialized
+(:func:`~hloopt.passes.fusion_model.layout_boundaries`), at the batch/feature-minor size in VMEM.
+The tiny zoo convnet (batch 4) is predicted +1.0% (-37.6% before); the 9 such shapes of
+``bench/convnet_shapes.py`` -32% to +7% (were -56% to -2%; the four under -20%, batch 1 and
+wider stages, are not explained yet); batch 8 to 64 from -12% to -1%.
+An offloaded convolution result keeps its layout in host memory and in its copy back
+(:meth:`FusionPlan.value_bytes`).
 
 Categories of a buffer (heuristics from the entry's structure and ``op_name`` metadata):
 ``parameters`` / ``optimizer state`` / ``inputs`` (entry parameters, by name: ``opt_state``,
