@@ -600,9 +600,14 @@ def layout_boundaries(module: Module, fused: set[Instruction]) -> set[Instructio
     layout (:func:`_rewritten_convolution`) to the batch/feature-minor one: an elementwise value
     computed only from such a convolution's result (and vectors) that a reader outside that
     region reads (the pooling gradient's operand, a fusion mixing in a value of the other layout)."""
+    def vector_like(o: Instruction, n: int) -> bool:
+        # a per-channel statistic or constant, broadcast or not: no layout of its own to cross
+        if o.opcode == "broadcast" and o.operands:
+            o = o.operands[0]
+        return o.opcode == "constant" or not o.shape.is_array or o.shape.num_elements * 8 <= n
+
     region: set[Instruction] = set()
     todo = [i for i in module.instructions() if _rewritten_convolution(i)]
-    big = {i: i.shape.dims for i in todo}
     while todo:
         v = todo.pop()
         if v in region:
@@ -611,9 +616,7 @@ def layout_boundaries(module: Module, fused: set[Instruction]) -> set[Instructio
         for u in v.users:
             if u in region or u not in fused or not u.shape.is_array or u.shape.dims != v.shape.dims:
                 continue
-            if all(o in region or not o.shape.is_array or o.shape.num_elements * 8 <= v.shape.num_elements
-                   or (o.opcode == "broadcast" and o.operands and o.operands[0].shape.num_elements * 8 <= v.shape.num_elements)
-                   or o.opcode == "constant" for o in u.operands):
+            if all(o in region or vector_like(o, v.shape.num_elements) for o in u.operands):
                 todo.append(u)
     out: set[Instruction] = set()
     for v in region:
@@ -845,18 +848,15 @@ class TpuFusion(Analysis[FusionPlan]):
     #: ``hloopt analyze``'s TPU prediction; the planner's Problem does not model them yet (its
     #: prediction of the README's llama plan moved from -0.86% to -14% of libtpu with them)
     narrow_stacks: bool = False
-    #: materialize the values that cross out of a rewritten convolution's layout
-    #: (:func:`layout_boundaries`)
-    layout_boundaries: bool = True
 
     def run(self, module: Module, am: AnalysisManager) -> FusionPlan:
         fused = fused_instructions(module)
-        if self.layout_boundaries:
-            fused -= layout_boundaries(module, fused)
+        fused -= layout_boundaries(module, fused)
         narrowed = bf16_stored(module, fused) | (bf16_stacks(module) if self.narrow_stacks else set())
         return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
                           frozenset(narrowed))
 
 
 __all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "bf16_stored", "fused_instructions",
+           "layout_boundaries",
            "activation_minor_dims", "bf16_stacks", "host_stack_updates", "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes", "tpu_layout_bytes"]
