@@ -12,16 +12,10 @@ smaller than the 8 sublanes. One libtpu process at a time: takes ``/tmp/hloopt-t
 from __future__ import annotations
 
 import argparse
-import fcntl
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import hloopt.lowering  # noqa: E402  (before jax: sets XLA_FLAGS / JAX_PLATFORMS)
+from _prediction import libtpu_lock, predicted_and_compiled
 
 #: (stage widths, image side, batch)
 SHAPES: tuple[tuple[tuple[int, ...], int, int], ...] = (
@@ -39,20 +33,15 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from fixtures.zoo import OFFLOAD_NAMES, convnet
     from fixtures.zoo._common import offload_policy
-    from hloopt.analysis import analyze
-    from hloopt.hlo.parser import parse_module
 
     policy = offload_policy(OFFLOAD_NAMES["convnet"]) if args.offload else None
     print(f"{'widths':>10} {'image':>5} {'batch':>5} {'predicted B':>13} {'libtpu B':>13} {'error':>8} {'0b1f convs':>10}")
     errors: dict[bool, list[float]] = {True: [], False: []}
-    with open("/tmp/hloopt-tpu.flock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with libtpu_lock():
         t0 = time.perf_counter()
         for widths, image, batch in SHAPES:
             step, xs = convnet.make("tiny", channels=widths, image=image, batch=batch, policy=policy)
-            pre = hloopt.lowering.lower(step, *xs, platform="tpu")
-            predicted = analyze(parse_module(pre.hlo_text), platform="tpu").peak_bytes
-            low = hloopt.lowering.lower(step, *xs, platform="tpu", compile="tpu-v5e")
+            predicted, low = predicted_and_compiled(step, xs)
             assert low.memory is not None and low.compiled_text is not None
             real = low.memory["peak_memory_in_bytes"]
             err = predicted / real - 1

@@ -14,18 +14,12 @@ prints both peaks and the error. One libtpu process at a time: takes ``/tmp/hloo
 from __future__ import annotations
 
 import argparse
-import fcntl
 import importlib
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import hloopt.lowering  # noqa: E402  (before jax: sets XLA_FLAGS / JAX_PLATFORMS)
+from _prediction import libtpu_lock, predicted_and_compiled
 
 #: (zoo model, with the zoo's offload policy, overrides of its small Config)
 STEPS: tuple[tuple[str, bool, dict[str, Any]], ...] = (
@@ -48,21 +42,16 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from fixtures.zoo import OFFLOAD_NAMES
     from fixtures.zoo._common import offload_policy
-    from hloopt.analysis import analyze
-    from hloopt.hlo.parser import parse_module
 
     steps = [s for s in STEPS if args.only in (None, s[0])]
     print(f"{'model':>8} {'policy':>7} {'overrides':>36} {'predicted B':>13} {'libtpu B':>13} {'error':>8}")
     errors: dict[bool, list[float]] = {True: [], False: []}
-    with open("/tmp/hloopt-tpu.flock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with libtpu_lock():
         t0 = time.perf_counter()
         for model, offload, overrides in steps:
             policy = offload_policy(OFFLOAD_NAMES[model]) if offload else None
             step, xs = importlib.import_module(f"fixtures.zoo.{model}").make("small", policy=policy, **overrides)
-            pre = hloopt.lowering.lower(step, *xs, platform="tpu")
-            predicted = analyze(parse_module(pre.hlo_text), platform="tpu").peak_bytes
-            low = hloopt.lowering.lower(step, *xs, platform="tpu", compile="tpu-v5e")
+            predicted, low = predicted_and_compiled(step, xs)
             assert low.memory is not None
             real = low.memory["peak_memory_in_bytes"]
             err = predicted / real - 1

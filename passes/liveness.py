@@ -51,8 +51,8 @@ MATERIALIZE: tuple[str, ...] = ("all", "tpu-fusion")
 
 #: readers that only forward storage: their own positions are in the same buffer and carry the
 #: range on through their readers, so they do not read the operand themselves
-_FORWARDS = frozenset({"get-tuple-element", "tuple", "bitcast", "opt-barrier", "optimization-barrier",
-                       "domain", "while", "conditional", "call"})
+FORWARDS = frozenset({"get-tuple-element", "tuple", "bitcast", "opt-barrier", "optimization-barrier",
+                      "domain", "while", "conditional", "call"})
 
 
 
@@ -239,7 +239,7 @@ class Liveness(Analysis[LiveRanges]):
             lr = t
             for u in inst.users:
                 tu = time.get(u)
-                if tu is None or u.opcode in _FORWARDS:
+                if tu is None or u.opcode in FORWARDS:
                     continue
                 if u in fused:
                     tu = max(tu, last_read.get(u, tu))

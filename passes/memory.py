@@ -102,7 +102,7 @@ from typing import ClassVar
 from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
-from hloopt.passes.liveness import LiveRanges, Liveness
+from hloopt.passes.liveness import FORWARDS, LiveRanges, Liveness
 from hloopt.passes.residuals import is_device_annotation, offloaded_source
 
 #: TPU VMEM, the on-chip memory space memory-space assignment moves temporaries into
@@ -450,7 +450,7 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
     first_read: dict[int, int] = {}
     if hbm_pinned:
         for t, inst in enumerate(lr.steps):
-            if inst.opcode in _FORWARDING:
+            if inst.opcode in FORWARDS:  # a forwarded buffer is read by the forwarder's readers
                 continue
             for o in inst.operands:
                 for bid in at.get(o, ()):
@@ -511,9 +511,6 @@ def packed_bytes(live: Counter[int], capacity_bytes: int) -> int:
             free -= min(live[size], free // size) * size
     return capacity_bytes - free
 
-
-#: readers that only forward a buffer (no read of their own: not a pinned value's first reader)
-_FORWARDING = frozenset({"tuple", "get-tuple-element", "opt-barrier", "optimization-barrier", "bitcast"})
 
 #: steps that move no data through the core (MSA prefetches nothing for them)
 _NO_PREFETCH = frozenset({"while", "conditional", "call", "tuple", "get-tuple-element", "parameter",

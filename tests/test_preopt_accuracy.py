@@ -473,20 +473,27 @@ def test_convnets_of_batch_8_and_more_within_10_percent() -> None:
     unless said): batch 8 -6.9%, batch 16 -7.6% (+53.8% while the model put the feature dimension
     on the lanes regardless: libtpu lays these out batch-minor, ``{0,3,2,1}``), batch 32 on 8x8
     images -0.9%. And the layouts libtpu chose are the ones the model gives."""
+    from hloopt.hlo.parser import parse_module
+
+    compiled = []
+    for batch, image in ((8, 16), (16, 16), (32, 8)):
+        predicted, real, text = _tiny_convnet_predicted_and_compiled(batch, image)
+        assert predicted == pytest.approx(real, rel=0.10), (batch, image)
+        compiled.append((f"batch {batch}", parse_module(text)))
+    assert _check_activation_layouts(compiled) >= 12
+
+
+def _tiny_convnet_predicted_and_compiled(batch: int, image: int) -> tuple[int, int, str]:
+    """The tiny convnet at ``batch`` and ``image``: predicted peak, libtpu's peak, compiled text."""
     from fixtures.zoo import convnet
     from hloopt.hlo.parser import parse_module
     from hloopt.lowering import lower
 
-    compiled = []
-    for batch, image in ((8, 16), (16, 16), (32, 8)):
-        step, args = convnet.make("tiny", batch=batch, image=image)
-        pre = lower(step, *args, platform="tpu")
-        low = lower(step, *args, platform="tpu", compile="tpu-v5e")
-        assert low.memory is not None and low.compiled_text is not None
-        predicted = analyze(parse_module(pre.hlo_text), platform="tpu").peak_bytes
-        assert predicted == pytest.approx(low.memory["peak_memory_in_bytes"], rel=0.10), (batch, image)
-        compiled.append((f"batch {batch}", parse_module(low.compiled_text)))
-    assert _check_activation_layouts(compiled) >= 12
+    step, args = convnet.make("tiny", batch=batch, image=image)
+    predicted = analyze(parse_module(lower(step, *args, platform="tpu").hlo_text), platform="tpu").peak_bytes
+    low = lower(step, *args, platform="tpu", compile="tpu-v5e")
+    assert low.memory is not None and low.compiled_text is not None
+    return predicted, low.memory["peak_memory_in_bytes"], low.compiled_text
 
 
 @pytest.mark.slow
@@ -496,19 +503,11 @@ def test_convnets_below_batch_8_within_10_percent() -> None:
     here: within 10% of libtpu's peak with the values crossing out of that layout materialized
     (:func:`~hloopt.passes.fusion_model.layout_boundaries`). Measured: batch 2 -3.0% (-25.7%
     before), batch 4 on 32x32 images +7.1% (-40.1%), batch 4 on 8x8 images -0.9% (-14.5%)."""
-    from fixtures.zoo import convnet
-    from hloopt.hlo.parser import parse_module
-    from hloopt.lowering import lower
-
     rewritten = 0
     for batch, image in ((2, 16), (4, 32), (4, 8)):
-        step, args = convnet.make("tiny", batch=batch, image=image)
-        pre = lower(step, *args, platform="tpu")
-        low = lower(step, *args, platform="tpu", compile="tpu-v5e")
-        assert low.memory is not None and low.compiled_text is not None
-        rewritten += low.compiled_text.count("dim_labels=0b1f_")
-        predicted = analyze(parse_module(pre.hlo_text), platform="tpu").peak_bytes
-        assert predicted == pytest.approx(low.memory["peak_memory_in_bytes"], rel=0.10), (batch, image)
+        predicted, real, text = _tiny_convnet_predicted_and_compiled(batch, image)
+        rewritten += text.count("dim_labels=0b1f_")
+        assert predicted == pytest.approx(real, rel=0.10), (batch, image)
     assert rewritten >= 6
 
 
@@ -558,13 +557,16 @@ def test_libtpu_prefetches_an_offloaded_value_right_after_offloading_it(model: s
         assert readers and min(pos[u] for u in readers) - pos[start] >= 3 * (pos[start] - pos[done]) + 40, start.name
 
 
-_BOUNDARY_MODULE = """
-HloModule m
+#: the reducer the hand-written modules below sum with
+_ADD = """
 add {
   a = f32[] parameter(0)
   b = f32[] parameter(1)
   ROOT s = f32[] add(a, b)
 }
+"""
+
+_BOUNDARY_MODULE = "HloModule m\n" + _ADD + """
 ENTRY e {
   x = f32[B,16,16,8] parameter(0)
   w = f32[3,3,8,8] parameter(1)
@@ -619,13 +621,7 @@ def test_libtpu_lands_every_copy_from_host_in_hbm() -> None:
     assert len(spaces) == 94 and set(spaces) == {0}
 
 
-_PINNED_MODULE = """
-HloModule m
-add {
-  x = f32[] parameter(0)
-  y = f32[] parameter(1)
-  ROOT s = f32[] add(x, y)
-}
+_PINNED_MODULE = "HloModule m\n" + _ADD + """
 ENTRY e {
   p = f32[128,128] parameter(0)
   a = f32[128,128] dot(p, p), lhs_contracting_dims={1}, rhs_contracting_dims={0}, operand_precision={highest,highest}
