@@ -4,22 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["auto_offload", "lower", "policy"]
+__all__ = ["apply_plan", "apply_policy", "auto_offload", "lower", "override_policies", "policy", "use_plan",
+           "use_policy"]
+
+#: public name -> (module, attribute); imported on first use, so that ``import hloopt`` and the
+#: CLI's HLO-file commands never pay for jax
+_LAZY = {
+    "lower": ("hloopt.lowering", "lower"),
+    "auto_offload": ("hloopt.auto", "auto_offload"),
+    "policy": ("hloopt.emit", "policy"),
+    "use_plan": ("hloopt.apply", "use_plan"),
+    "apply_plan": ("hloopt.apply", "apply_plan"),
+    "use_policy": ("hloopt.apply", "use_policy"),
+    "apply_policy": ("hloopt.apply", "apply_policy"),
+    "override_policies": ("hloopt.policy_override", "override_policies"),
+}
 
 
 def __getattr__(name: str) -> Any:
-    # ``hloopt.lower`` imports hloopt.lowering (and jax) only when first used, so that
-    # ``import hloopt`` and the CLI's HLO-file commands never pay for jax.
-    if name == "lower":
-        from hloopt.lowering import lower
+    if name in _LAZY:
+        import importlib
 
-        return lower
-    if name == "auto_offload":
-        from hloopt.auto import auto_offload
-
-        return auto_offload
-    if name == "policy":
-        from hloopt.emit import policy
-
-        return policy
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'hloopt' has no attribute {name!r}")

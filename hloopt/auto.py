@@ -1,20 +1,19 @@
 """``hloopt.auto_offload``: plan a step's offloads and hand back the step rebuilt with the policy.
 
 A checkpoint policy is fixed when a step is traced (``jax.checkpoint(f, policy=...)`` reads it
-while tracing), so a finished ``step_fn`` cannot take a new policy. ``auto_offload`` therefore
-needs a way to build the step again with a policy; it accepts three forms, in order of preference:
+while tracing). The returned step imposes the plan's policy on every checkpoint traced inside it
+(:func:`hloopt.apply.apply_policy`), so the program needs no ``policy`` parameter. Three forms:
 
-* a **factory**: ``factory(policy=..., **factory_kwargs) -> (step_fn, args[, kwargs])`` -- every
-  zoo model's ``make`` is one::
+* a **factory**: ``factory(**factory_kwargs) -> (step_fn, args[, kwargs])`` (one declaring
+  ``policy=`` is called again with the plan's policy instead) -- every zoo model's ``make`` is one::
 
       step, args, plan = hloopt.auto_offload(llama.make, device="tpu-v5e", budget="98%", size="small")
       new_state = jax.jit(step)(*args)
 
 * a TARGET string (``"fixtures/zoo/llama.py:small"``) or a resolved
   :class:`hloopt.targets.Target` -- the same, through :func:`hloopt.targets.resolve`;
-* a **step with a policy parameter** and its arguments: ``step_fn(*args, policy=...)``, whose
-  checkpointed layers use the ``policy`` keyword; the returned step is
-  ``functools.partial(step_fn, policy=<the plan's policy>)``.
+* a **step** and its arguments: ``step_fn(*args)`` (one declaring ``policy=`` gets
+  ``functools.partial(step_fn, policy=<the plan's policy>)``).
 
 Algorithm: :func:`hloopt.pipeline.plan` (lower with every residual saved, analyse, search), then
 :func:`hloopt.emit.policy` of the plan, then the step built again with that policy. The result is
@@ -32,6 +31,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from hloopt.apply import apply_policy
 from hloopt.errors import UserError
 
 __all__ = ["Offloaded", "auto_offload"]
@@ -127,9 +127,12 @@ def _as_target(target: Any, args: tuple[Any, ...], *, size: str | None,
         raise UserError(f"{tgt.name}: auto_offload needs a JAX step (file.py:factory), not an HLO file")
 
     def build(policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        t = tgt.rebuild(policy=policy)
-        assert t.step_fn is not None
-        return _bind_kwargs(t.step_fn, t.kwargs), tuple(t.args)
+        if tgt.takes_policy:
+            t = tgt.rebuild(policy=policy)
+            assert t.step_fn is not None
+            return _bind_kwargs(t.step_fn, t.kwargs), tuple(t.args)
+        assert tgt.step_fn is not None
+        return apply_policy(policy, _bind_kwargs(tgt.step_fn, tgt.kwargs)), tuple(tgt.args)
 
     return tgt, build
 
@@ -142,16 +145,16 @@ def _step_target(step_fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[An
         params = inspect.signature(step_fn).parameters
     except (TypeError, ValueError):
         params = {}
-    takes_policy = "policy" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    if not takes_policy:
-        raise UserError(f"auto_offload({name}, *args): the step must take policy= (used by its "
-                        "jax.checkpoint), or pass a factory(policy=...) -> (step_fn, args)")
+    p = params.get("policy")
+    takes_policy = p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
-    def factory(policy: Any = None) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return functools.partial(step_fn, policy=policy), args
+    def factory() -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return step_fn, args
 
     def build(policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return functools.partial(step_fn, policy=policy), args
+        if takes_policy:
+            return functools.partial(step_fn, policy=policy), args
+        return apply_policy(policy, step_fn), args
 
     return _call_factory(name, factory, {}), build
 

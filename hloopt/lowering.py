@@ -23,9 +23,19 @@ Environment, set here only when this module is imported before jax (jax reads it
 Source paths in the HLO text (``source_file=``, the ``FileNames`` table) are made relative to the
 working directory, so analyses, reports and plans are the same bytes in any checkout.
 
-Checkpoint policies are baked into a step function when it is traced, so ``policy=`` cannot be
-applied to an arbitrary ``step_fn``: pass a :class:`hloopt.targets.Target` (what TARGET strings
-resolve to) and ``lower`` re-calls its factory with ``policy=``. Every zoo factory takes ``policy=``.
+Checkpoint policies are fixed when a step is traced. ``policy=`` reaches the step in one of two
+ways: a :class:`hloopt.targets.Target` whose factory declares a ``policy`` parameter is rebuilt with
+it (the program's author said where it goes; every zoo factory does); any other step, a Target or a
+plain function, is traced under :func:`hloopt.policy_override.override_policies`, which gives
+every ``jax.checkpoint`` traced inside the policy, whatever framework called it.
+
+Source lines. JAX records one "user" frame per op (``source_file=``/``source_line=``), skipping its
+own files; while lowering, the files of the frameworks models are built *with* (flax, equinox,
+haliax, optax, ...: :data:`hloopt.frameworks.FRAMEWORK_PACKAGES`) are skipped too, so an op is located at the
+model's line (``transformers/models/bert/modeling_flax_bert.py:NNN``), not at framework plumbing
+(``haliax/wrap.py``). Paths under an installed-packages folder (``site-packages``, a virtualenv's
+inside or outside the checkout) are written by package path (``transformers/...``), the rest
+relative to the working directory.
 
 XLA dumps: ``dump_dir=`` passes ``xla_dump_to`` / ``xla_dump_hlo_as_text`` as per-compile
 ``compiler_options``; both the CPU backend and libtpu honour them per compile (``XLA_FLAGS`` is read
@@ -65,11 +75,12 @@ partitioner and gets ``partitioned_text=None``: its per-device program is ``hlo_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -151,7 +162,7 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
     import jax
 
     label = _label(step_fn)
-    step_fn, args, kwargs = _resolve_step(step_fn, args, kwargs, policy)
+    step_fn, args, kwargs, override = _resolve_step(step_fn, args, kwargs, policy)
     if platform not in PLATFORMS:
         raise UserError(f"unknown platform {platform!r}: expected one of {', '.join(PLATFORMS)}")
     if compile is not None and compile not in COMPILE_TARGETS:
@@ -164,6 +175,19 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
         raise UserError("partitioned=True needs compile= (XLA partitions while compiling)")
 
     jitted = _jit(step_fn, donate_argnums)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(framework_frames_skipped())
+        if override is not _NO_OVERRIDE:
+            from hloopt.policy_override import override_policies
+
+            stack.enter_context(override_policies(override))
+        return _lower_and_compile(jax, jitted, label, args, kwargs, platform=platform, compile=compile,
+                                  dump_dir=dump_dir, partitioned=partitioned)
+
+
+def _lower_and_compile(jax: Any, jitted: Any, label: str, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                       platform: str, compile: str | None, dump_dir: str | os.PathLike[str] | None,
+                       partitioned: bool) -> Lowered:
     try:
         traced = jitted.trace(*args, **kwargs)
         lowered = traced.lower(lowering_platforms=(platform,))
@@ -247,11 +271,67 @@ def xla_error(err: BaseException, compile: str) -> UserError:
 
 
 def relative_paths(text: str) -> str:
-    """HLO text with source paths under the working directory made relative
-    (``"/abs/cwd/model.py"`` -> ``"model.py"``), as the snapshots in ``fixtures/hlo`` are: what
-    hloopt prints and writes then does not depend on where the checkout lies."""
+    """HLO text with source paths written so that they do not depend on where things lie: a file
+    of an installed package by its package path (``"/venv/lib/python3.11/site-packages/flax/x.py"``
+    -> ``"flax/x.py"``, whether the virtualenv is inside the checkout or not), a file under the
+    working directory relative to it (``"/abs/cwd/model.py"`` -> ``"model.py"``), as the snapshots
+    in ``fixtures/hlo`` are."""
+    for folder in package_folders():
+        text = text.replace('"' + folder, '"')
     cwd = os.getcwd().rstrip(os.sep) + os.sep
     return text.replace('"' + cwd, '"')
+
+
+def package_folders() -> tuple[str, ...]:
+    """The folders installed packages are imported from (``site-packages``/``dist-packages`` on
+    ``sys.path``, the interpreter's purelib/platlib), each ending in a separator, longest first."""
+    import sysconfig
+
+    found = {p for p in sys.path if p and os.path.basename(p.rstrip(os.sep)) in ("site-packages", "dist-packages")}
+    for key in ("purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            found.add(path)
+    return tuple(sorted((os.path.abspath(p).rstrip(os.sep) + os.sep for p in found), key=len, reverse=True))
+
+
+@contextlib.contextmanager
+def framework_frames_skipped() -> Iterator[None]:
+    """While inside, JAX's op metadata skips the framework packages' files as it skips its own
+    when it picks an op's user frame (``source_info_util``'s exclusions, restored on exit)."""
+    import importlib.util
+
+    from jax._src import source_info_util as siu
+
+    from hloopt.frameworks import FRAMEWORK_PACKAGES
+
+    paths = getattr(siu, "_exclude_paths", None)
+    # hloopt's own frames (lower() calling the step) are no user's either
+    added: list[str] = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
+    if isinstance(paths, list):
+        for name in FRAMEWORK_PACKAGES:
+            try:
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError):
+                spec = None
+            for loc in (spec.submodule_search_locations or []) if spec is not None else []:
+                added.append(os.path.abspath(loc).rstrip(os.sep) + os.sep)
+        paths.extend(added)
+        _clear_frame_caches(siu)
+    try:
+        yield
+    finally:
+        if isinstance(paths, list):
+            for p in added:
+                paths.remove(p)
+            _clear_frame_caches(siu)
+
+
+def _clear_frame_caches(siu: Any) -> None:
+    for name in ("_exclude_path_regex", "is_user_filename"):
+        fn = getattr(siu, name, None)
+        if fn is not None and hasattr(fn, "cache_clear"):
+            fn.cache_clear()
 
 
 def _first_line(err: BaseException) -> str:
@@ -284,24 +364,29 @@ def cost_stats(compiled: Any) -> dict[str, float]:
     return {str(k): float(v) for k, v in sorted((cost or {}).items()) if isinstance(v, (int, float))}
 
 
+#: "no policy given": the program's own policies apply (``None`` is a policy: JAX's default)
+_NO_OVERRIDE: Any = object()
+
+
 def _resolve_step(step_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+                  policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], Any]:
+    """The step, its arguments, and the policy to impose while tracing it (or ``_NO_OVERRIDE``)."""
     from hloopt.targets import Target
 
+    override = _NO_OVERRIDE if policy is None else policy
     if isinstance(step_fn, Target):
         if step_fn.kind != "jax":
             raise UserError(f"{step_fn.name}: a {step_fn.kind} target is HLO already; only jax targets lower")
         if args or kwargs:
             raise TypeError("lower(target): the arguments come from the target; pass none")
-        target = step_fn.rebuild(policy=policy) if policy is not None else step_fn
+        target = step_fn
+        if policy is not None and step_fn.takes_policy:
+            target, override = step_fn.rebuild(policy=policy), _NO_OVERRIDE
         assert target.step_fn is not None
-        return target.step_fn, tuple(target.args), dict(target.kwargs)
-    if policy is not None:
-        raise UserError("policy= is applied when the step is built: pass a TARGET "
-                        "(hloopt.targets.resolve(...)) whose factory takes policy=, not a step function")
+        return target.step_fn, tuple(target.args), dict(target.kwargs), override
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable or a Target, got {type(step_fn).__name__}")
-    return step_fn, args, kwargs
+    return step_fn, args, kwargs, override
 
 
 def _jit(step_fn: Callable[..., Any], donate_argnums: int | tuple[int, ...]) -> Any:

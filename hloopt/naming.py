@@ -233,6 +233,8 @@ class TargetResiduals:
 
     residuals: ResidualSet
     probe: NameProbe | None
+    #: top-level packages the target's factory uses (hloopt.frameworks.imported_by)
+    imports: frozenset[str]
     #: peak device bytes from the memory model (None when it could not run)
     peak_bytes: int | None
     peak_source: str = "hloopt memory model (no-fragmentation peak of the schedule)"
@@ -240,6 +242,12 @@ class TargetResiduals:
     @property
     def coverage(self) -> float | None:
         return self.probe.coverage if self.probe is not None else None
+
+    def unmovable_line(self) -> str | None:
+        """For a step without checkpointing: its residual bytes and the framework's switch."""
+        from hloopt.pipeline import unmovable_residuals_line
+
+        return unmovable_residuals_line(self.residuals, imports=self.imports)
 
 
 def residuals_of(target: str, *, size: str | None = None, platform: str = "tpu", names: bool = True) -> TargetResiduals:
@@ -258,7 +266,10 @@ def residuals_of(target: str, *, size: str | None = None, platform: str = "tpu",
     probe = name_residuals(tgt, baseline=rs, platform=platform) if names and tgt.kind == "jax" else None
     if probe is not None:
         rs = probe.residuals
-    return TargetResiduals(residuals=rs, probe=probe, peak_bytes=_peak(module))
+    from hloopt.frameworks import imported_by
+
+    imports = frozenset(imported_by(tgt.factory)) if tgt.factory is not None else frozenset()
+    return TargetResiduals(residuals=rs, probe=probe, imports=imports, peak_bytes=_peak(module))
 
 
 def _peak(module: Any) -> int | None:

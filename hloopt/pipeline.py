@@ -37,16 +37,17 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from hloopt.devices import DeviceProfile
-from hloopt.errors import UserError
+from hloopt.errors import InfeasibleBudget, UserError
 from hloopt.ir import Instruction, Module, gc_paused
 from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, SimResult, Step
+from hloopt.passes.residuals import under_checkpoint
+_BARRIERS = ("opt-barrier", "optimization-barrier")
 
 #: op_name fragments that say a value was computed inside ``jax.checkpoint`` (where a policy
 #: decides its fate); values outside any checkpoint are always saved by JAX.
-_CHECKPOINT_HINTS = ("checkpoint", "remat")
 
 Progress = Callable[[str], Any]
 
@@ -180,26 +181,6 @@ class StepMap:
         return self.first[entry_index] + self.count[entry_index] - 1
 
 
-_BARRIERS = ("opt-barrier", "optimization-barrier")
-
-
-def _under_checkpoint(res: Any) -> bool:
-    """Whether a policy governs the residual: ``jax.checkpoint`` hands its saved values to the
-    backward pass through an optimization barrier (``remat2``), and scanned layers are saved as
-    stacked loop outputs; values outside any checkpoint take neither path."""
-    if res.name or res.forward_loop is not None:
-        return True
-    for u in res.backward_users:
-        if u.opcode in _BARRIERS:
-            return True
-        if u.opcode == "tuple" and any(w.opcode in _BARRIERS for w in u.users):
-            return True
-        if u.opcode == "while":
-            return True
-    text = (res.producer.metadata.op_name + " " + res.inst.metadata.op_name).lower()
-    return any(h in text for h in _CHECKPOINT_HINTS)
-
-
 def _through_markers(inst: Instruction) -> Instruction:
     """The op that computes a value, looking through ``checkpoint_name``'s identity marker."""
     seen = 0
@@ -313,7 +294,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
             remat_s += an.cost.seconds(_recomputed_op(r.producer)) * max(r.layers, 1)
         r0 = rs[0]
         prod = _through_markers(r0.producer)
-        movable = any(_under_checkpoint(r) for r in rs) and (
+        movable = any(under_checkpoint(r) for r in rs) and (
             bool(r0.name) or policy_selectable(_selector_primitive(r0)))
         allowed = frozenset({Action.DEVICE, Action.OFFLOAD, Action.REMAT}) if movable else frozenset({Action.DEVICE})
         if movable and (all(_is_input(_recomputed_op(r.producer)) for r in rs)
@@ -364,7 +345,7 @@ def candidate_groups(residuals: Any) -> dict[str, list[Any]]:
     live = [r for r in residuals if not r.offloaded and r.bytes > 0]
     for r in sorted(live, key=lambda r: (-r.bytes, r.position)):
         key = relative_key(r.key)
-        if not r.name and _under_checkpoint(r):
+        if not r.name and under_checkpoint(r):
             rule = (_selector_primitive(r), _instance_shape(r))
             key = rule_key.setdefault(rule, f"prim:{rule[0]}:{rule[1]}@{relative_source(r.source_text)}")
         groups.setdefault(key, []).append(r)
@@ -576,6 +557,38 @@ class PlanOutcome:
     #: the program as written (no policy change), analyzed: its peak, when a JAX target
     as_written_peak_bytes: int | None = None
 
+    #: top-level packages the target's factory uses (frameworks.imported_by), to name its switch
+    imports: frozenset[str] = frozenset()
+
+    def unmovable_line(self) -> str | None:
+        return unmovable_residuals_line(self.analyzed.residuals, imports=self.imports)
+
+
+def unmovable_residuals_line(rs: Any, *, imports: Iterable[str] = ()) -> str | None:
+    """For a program that saves no residual inside a ``jax.checkpoint``: one line with the
+    residual bytes no policy can move and the switch of its framework that puts its layers under
+    one. None when some residual is under a checkpoint (the program has checkpointing; what it
+    saves outside, such as each checkpoint's own inputs, is the plan's business)."""
+    from hloopt.frameworks import framework_of, unmovable_line
+
+    if any(under_checkpoint(r) for r in rs):
+        return None
+    return unmovable_line(rs.total_bytes, framework_of(_stack_files(rs), modules=imports))
+
+
+def _stack_files(rs: Any, *, frames: int = 64) -> list[str]:
+    """The files of every frame in the residual producers' call stacks (HLO stack-frame table)."""
+    files: list[str] = []
+    for r in rs:
+        fid = r.producer.metadata.stack_frame_id
+        for _ in range(frames):
+            fr = rs.module.stack_frame(fid) if fid else None
+            if fr is None:
+                break
+            files.append(fr.file)
+            fid = fr.parent_id
+    return files
+
 
 def lower_for_plan(target: Any, profile: DeviceProfile, *, platform: str | None = None,
                    compile: str | None = None, progress: Progress = _no_progress) -> tuple[Module, str]:
@@ -727,8 +740,14 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     budget_bytes, mode = resolve_mode(budget, max_slowdown, pareto, baseline.peak_bytes)
     t0 = time.perf_counter()
     with progress(f"searching {len(problem.candidates)} candidates"):
-        sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,
-                    solver=solver, time_limit_s=time_limit_s)
+        try:
+            sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,
+                        solver=solver, time_limit_s=time_limit_s)
+        except InfeasibleBudget as err:
+            hint = unmovable_residuals_line(an.residuals, imports=_imports(tgt))
+            if hint is None:
+                raise
+            raise InfeasibleBudget(f"{err}; {hint}") from err
     chosen = sr.plan
     decisions = chosen.decisions
     result = simulate(problem, decisions)
@@ -743,7 +762,15 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                          mode=mode, decisions=decisions, result=result, baseline=baseline,
                          solver=solver_info, pareto=list(sr.pareto) if pareto else None)
     anchors = run_anchors(problem)
-    return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written)
+    return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written,
+                       imports=frozenset(_imports(tgt)))
+
+
+def _imports(tgt: Any) -> set[str]:
+    """What the target's factory imports (for naming its framework); nothing for HLO files."""
+    from hloopt.frameworks import imported_by
+
+    return imported_by(tgt.factory) if getattr(tgt, "factory", None) is not None else set()
 
 
 def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Problem:

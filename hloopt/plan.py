@@ -231,7 +231,9 @@ class Plan:
             "decisions": [d.to_dict() for d in self.decisions],
             "predicted": dataclasses.asdict(self.predicted),
             "bounds": dataclasses.asdict(self.bounds),
-            "solver": {"name": self.solver.name, "status": self.solver.status, "gap": self.solver.gap},
+            # an unbounded gap (the solver had no lower bound above 0) is "unknown", as JSON has no inf
+            "solver": {"name": self.solver.name, "status": self.solver.status,
+                       "gap": self.solver.gap if self.solver.gap is None or math.isfinite(self.solver.gap) else None},
             "pareto": None if self.pareto is None else [
                 {"peak_bytes": p.peak_bytes, "step_time_s": p.step_time_s, "actions": dict(p.actions)}
                 for p in self.pareto],

@@ -4,9 +4,10 @@ A TARGET is one of
 
 * ``path/to/file.py:factory`` or ``package.module:factory`` -- a JAX program. ``factory(**kw)``
   returns ``(step_fn, args)`` or ``(step_fn, args, kwargs)``; args may hold arrays or
-  ``jax.ShapeDtypeStruct``. ``size=`` and ``factory_kwargs`` (``policy=`` among them) are passed to
-  the factory, and :meth:`Target.rebuild` calls it again with other keywords, which is how a
-  checkpoint policy reaches a step (policies are fixed when a step is traced).
+  ``jax.ShapeDtypeStruct``. ``size=`` and ``factory_kwargs`` are passed to the factory. The
+  factory need not know about checkpoint policies: hloopt imposes one while tracing the step
+  (:mod:`hloopt.policy_override`). A factory that declares ``policy=`` (:attr:`Target.takes_policy`)
+  is instead called again with it (:meth:`Target.rebuild`).
   ``file.py`` alone means ``file.py:make``. A file inside a package (folders with ``__init__.py``)
   is imported under its dotted name, with the folder above the package on ``sys.path``, so its
   relative imports work.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -69,6 +71,19 @@ class Target:
     path: Path | None = None
     #: hlo/dump: its text
     text: str | None = None
+
+    @property
+    def takes_policy(self) -> bool:
+        """Whether the factory declares a ``policy`` parameter (a ``**kwargs`` catch-all does not
+        count: a factory forwarding keywords into a config would choke on a function)."""
+        if self.factory is None:
+            return False
+        try:
+            params = inspect.signature(self.factory).parameters
+        except (TypeError, ValueError):
+            return False
+        p = params.get("policy")
+        return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
     def rebuild(self, **factory_kwargs: Any) -> Target:
         """Call the factory again with these keywords added (e.g. ``policy=``)."""

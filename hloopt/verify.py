@@ -205,31 +205,11 @@ def _multiplicities(mod: Any) -> dict[str, int]:
 
 # -- names in the traced program ---------------------------------------------------------------------
 
-def checkpoint_names(target: Any, policy: Any = None) -> set[str]:
-    """Every ``checkpoint_name`` the target's step defines (traced with ``policy``)."""
-    import jax
+def checkpoint_names(target: Any) -> set[str]:
+    """Every ``checkpoint_name`` the target's step defines."""
+    from hloopt.naming import checkpoint_names as sites
 
-    t = target.rebuild(policy=policy) if policy is not None else target
-    jaxpr = jax.make_jaxpr(t.step_fn)(*t.args, **dict(t.kwargs))
-    names: set[str] = set()
-    seen: set[int] = set()
-
-    def walk(j: Any) -> None:
-        if id(j) in seen:
-            return
-        seen.add(id(j))
-        for eqn in j.eqns:
-            if eqn.primitive.name == "name":
-                names.add(eqn.params["name"])
-            for v in eqn.params.values():
-                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jaxpr.jaxpr)
-    return names
+    return {s.name for s in sites(target)}
 
 
 # -- verify --------------------------------------------------------------------------------------
@@ -248,9 +228,16 @@ def _resolve(target: Any) -> Any:
     t = resolve(target) if isinstance(target, str) else target
     if not isinstance(t, Target) or t.kind != "jax":
         name = getattr(t, "name", target)
-        raise UserError(f"{name}: verify needs a JAX TARGET (file.py:factory) whose factory takes policy=; "
+        raise UserError(f"{name}: verify needs a JAX TARGET (file.py:factory), which it lowers again; "
                         f"this is {getattr(t, 'kind', type(t).__name__)}")
     return t
+
+
+#: what JAX's remat3 cannot express (measured with jax 0.10.2 on the zoo: no annotation at all)
+REMAT3_NO_OFFLOAD = ("jax_remat3 is on: JAX's remat3 implements only name-based saving "
+                     "(save_only_these_names, save_any_names_but_these, everything_saveable) and drops "
+                     "offloading, so this plan's offloads do not happen; turn jax_remat3 off "
+                     "(jax.config.update('jax_remat3', False)) or plan with --no-offload")
 
 
 def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Verification:
@@ -258,6 +245,7 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
     and check the offloaded set (see the module docstring); ``compile`` is a TPU generation."""
     from hloopt.emit import load_plan, policy
     from hloopt.lowering import TPU_TOPOLOGIES, lower
+    from hloopt.policy_override import remat3_enabled
 
     plan = load_plan(plan)
     if compile is not None and compile not in TPU_TOPOLOGIES:
@@ -267,7 +255,7 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
     whole_policy = policy(plan)
     whole_text = lower(t, platform="tpu", policy=whole_policy).hlo_text
     whole = offload_annotations(whole_text)
-    defined = checkpoint_names(t, whole_policy)
+    defined = checkpoint_names(t)
     modeled, warnings = _second_opinion(whole_text, plan)
 
     remaining = Counter()
@@ -313,6 +301,8 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
         if d.action != "offload" and d.selector.kind == "name" and d.selector.name not in defined:
             problems.append(f"{d.key}: plans {d.action} for checkpoint_name {d.selector.name!r}, "
                             "which the program does not define")
+    if plan.of("offload") and not whole and remat3_enabled():
+        problems.append(REMAT3_NO_OFFLOAD)
     unplanned = tuple(sorted((s, n) for s, n in remaining.items() if n > 0))
     if unplanned:
         problems.append("unplanned offloads: " + ", ".join(f"{n} x {s}" for s, n in unplanned))

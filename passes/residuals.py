@@ -55,11 +55,15 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from hloopt.errors import UserError
+from hloopt.frameworks import FRAMEWORK_PACKAGES
 from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 
-#: path fragments of library frames skipped when looking for the user's source line
-LIBRARY_PATHS: tuple[str, ...] = ("site-packages", "jax/_src", "<site-packages>", "/jax/", "flax/", "optax/")
+#: path fragments of library frames skipped when looking for the user's source line: JAX and the
+#: frameworks models are built with (hloopt.lowering writes installed files by package path,
+#: ``flax/linen/module.py``; an absolute path means a package installed somewhere unusual)
+LIBRARY_PATHS: tuple[str, ...] = ("site-packages/", "dist-packages/", "<site-packages>", "jax/_src/", "jaxlib/",
+                                  *(f"{p}/" for p in FRAMEWORK_PACKAGES))
 
 #: ops that only re-view or move a value (looked through to find the producing op)
 _VIEW_OPS = frozenset({"bitcast", "reshape", "copy", "copy-done", "copy-start", "transpose", "convert",
@@ -70,6 +74,28 @@ _NO_EXTEND = frozenset({"tuple", "while", "opt-barrier", "optimization-barrier",
 _SIDE_EFFECT_SOURCES = frozenset({"rng", "rng-bit-generator", "infeed", "recv", "recv-done",
                                   "custom-call", "after-all"})
 _DTYPE_FLOAT = re.compile(r"^(f|bf)\d")
+
+
+_BARRIERS = ("opt-barrier", "optimization-barrier")
+#: op_name fragments of values computed inside a checkpoint region
+_CHECKPOINT_HINTS = ("checkpoint", "remat")
+
+
+def under_checkpoint(res: Residual) -> bool:
+    """Whether a policy governs the residual: ``jax.checkpoint`` hands its saved values to the
+    backward pass through an optimization barrier (``remat2``), and scanned layers are saved as
+    stacked loop outputs; values outside any checkpoint take neither path."""
+    if res.name or res.forward_loop is not None:
+        return True
+    for u in res.backward_users:
+        if u.opcode in _BARRIERS:
+            return True
+        if u.opcode == "tuple" and any(w.opcode in _BARRIERS for w in u.users):
+            return True
+        if u.opcode == "while":
+            return True
+    text = (res.producer.metadata.op_name + " " + res.inst.metadata.op_name).lower()
+    return any(h in text for h in _CHECKPOINT_HINTS)
 
 
 def _placement(inst: Instruction) -> str | None:
@@ -370,6 +396,8 @@ def describe(rs: ResidualSet, *, peak_bytes: int | None = None) -> list[dict[str
             "first_backward_user": first.name,
             "last_use": r.last_use,
             "offloaded": r.offloaded,
+            # saved inside a jax.checkpoint region: a policy can offload or recompute it
+            "under_checkpoint": under_checkpoint(r),
             # host bytes are not device memory: no share of the (device) peak
             "peak_share": (r.bytes / peak_bytes) if peak_bytes and not r.offloaded else None,
         })
@@ -930,5 +958,5 @@ def _involves_subtract(idx: list[Instruction]) -> bool:
     return False
 
 
-__all__ = ["FindResiduals", "describe", "LIBRARY_PATHS", "Residual", "ResidualGroup", "ResidualSet", "find_residuals",
+__all__ = ["FindResiduals", "describe", "under_checkpoint", "LIBRARY_PATHS", "Residual", "ResidualGroup", "ResidualSet", "find_residuals",
            "group_by_selector", "is_host_annotation", "moves_to_host", "primitive_of", "trip_count"]

@@ -126,7 +126,7 @@ def test_bad_target(bad: dict[str, str], command: str, kind: str) -> None:
 
 def test_verify_and_emit_name_a_hlo_target_they_cannot_use(bad: dict[str, str]) -> None:
     line = one_error_line(["verify", HLO, "--plan", bad["plan"]])
-    assert line == f"hloopt: error: {HLO}: verify needs a JAX TARGET (file.py:factory) whose factory takes policy=; this is hlo"
+    assert line == f"hloopt: error: {HLO}: verify needs a JAX TARGET (file.py:factory), which it lowers again; this is hlo"
 
 
 def test_inspect_bad_files(bad: dict[str, str]) -> None:

@@ -61,7 +61,10 @@ def _table(result, rows) -> None:  # type: ignore[no-untyped-def]
                       f"{fi[0]}..{fi[1]}", f"{r['first_backward_use']} {r['first_backward_user']}",
                       "yes" if r["offloaded"] else "", share)
     Console(width=200).print(table)
-    unnamed = [r for r in rows if not r["name"] and r["source"]]
+    line = result.unmovable_line()
+    if line:
+        click.echo(line)
+    unnamed = [r for r in rows if not r["name"] and r["source"] and r["under_checkpoint"]]
     if unnamed and result.coverage is not None:
         big = unnamed[0]
         click.echo(f"largest unnamed: {format_bytes(int(big['bytes']))} {big['producer']} at {big['source']}: "
