@@ -99,6 +99,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar
 
+import numpy as np
+
 from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
@@ -660,6 +662,12 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
     #: allocation index -> (size, [(start, end, buffer id)]); per buffer id, its allocation
     allocs: list[tuple[int, list[tuple[int, int, int]]]] = []
     alloc_of: dict[int, int] = {}
+    # per allocation its output's live range: a temporary whose range crosses it (not only
+    # touching an end) cannot go there, so the smallest-first search skips those allocations
+    # without looking at what else each holds (training steps have thousands of outputs)
+    n_out = sum(1 for b in order if b.output_indices and not b.is_tuple_table)
+    out_start = np.empty(n_out, dtype=np.int64)
+    out_end = np.empty(n_out, dtype=np.int64)
     absorbed: set[int] = set()
     buffer_at = lr.aliasing.position_buffers
 
@@ -687,6 +695,7 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
 
     for b in order:
         if b.output_indices and not b.is_tuple_table:
+            out_start[len(allocs)], out_end[len(allocs)] = start[b.id], end[b.id]
             alloc_of[b.id] = len(allocs)
             allocs.append((sizes[b.id], [(start[b.id], end[b.id], b.id)]))
             continue
@@ -701,7 +710,9 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
                         tried[k] = None
         chosen = next((k for k in tried if fits(k, b)), None)
         if chosen is None:
-            chosen = next((k for k in range(len(allocs) - 1, -1, -1) if fits(k, b)), None)
+            s, e, m = start[b.id], end[b.id], len(allocs)
+            open_ = np.flatnonzero((out_start[:m] >= e) | (out_end[:m] <= s))
+            chosen = next((int(k) for k in open_[::-1] if fits(int(k), b)), None)
         if chosen is not None:
             allocs[chosen][1].append((start[b.id], end[b.id], b.id))
             alloc_of[b.id] = chosen
