@@ -101,7 +101,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module
+from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
 from hloopt.passes.liveness import FORWARDS, LiveRanges, Liveness
@@ -217,6 +217,10 @@ class PeakMemory(Analysis[MemoryProfile]):
 
     def run(self, module: Module, am: AnalysisManager) -> MemoryProfile:
         lr = am.get(self.liveness)
+        with gc_paused():  # per-step lists and sets by the ten thousand, freed together
+            return self._run(module, lr)
+
+    def _run(self, module: Module, lr: LiveRanges) -> MemoryProfile:
         n_steps = len(lr.steps)
         last = n_steps - 1
         sizes = lr.size_bytes
