@@ -17,8 +17,9 @@ Per size the table gives the module's instructions and entry parameters (leaves)
 of the text (``hlo_module_from_text``), hloopt's parse, and ``analyze --platform tpu`` (the
 in-process work of the CLI: :func:`hloopt.analysis.analyze` on the parsed module, then the JSON
 report), then ``analyze/XLA``: hloopt's analyze (parse excluded) over XLA's parse, ``total/XLA``:
-parse and analyze (what the CLI does with a file) over XLA's parse, and the per-instruction times, which stay flat when the work grows linearly with the module. Times are CPU
-seconds of this process (``time.process_time``), best of ``--repeat``.
+parse and analyze (what the CLI does with a file) over XLA's parse, and the per-instruction
+times, which stay flat when the work grows linearly with the module. Times are CPU seconds of
+this process (``time.process_time``), best of ``--repeat``.
 """
 
 from __future__ import annotations
