@@ -658,10 +658,15 @@ def is_bf16_matmul(inst: Instruction) -> bool:
 _PASS_THROUGH = frozenset({"tuple", "get-tuple-element", "opt-barrier", "optimization-barrier"})
 
 
-def _final_readers(inst: Instruction, limit: int = 64) -> list[Instruction] | None:
+def _final_readers(inst: Instruction, limit: int = 64,
+                   positions: dict[Instruction, dict[int, list[int]]] | None = None) -> list[Instruction] | None:
     """The instructions that read ``inst``'s value, looking through tuples, get-tuple-elements and
     optimization barriers (index by index); None when the value leaves through anything else
-    (a loop, a call, the root) or the walk grows past ``limit``."""
+    (a loop, a call, the root) or the walk grows past ``limit``. ``positions`` caches, per tuple,
+    where each operand sits in it (a training step's tuples of thousands of leaves are read by
+    each of them)."""
+    if positions is None:
+        positions = {}
     out: list[Instruction] = []
     todo: list[tuple[Instruction, tuple[int, ...]]] = [(inst, ())]
     seen: set[tuple[Instruction, tuple[int, ...]]] = set()
@@ -675,7 +680,12 @@ def _final_readers(inst: Instruction, limit: int = 64) -> list[Instruction] | No
         for u in node.users:
             op = u.opcode
             if op == "tuple":
-                todo.extend((u, (k,) + index) for k, o in enumerate(u.operands) if o is node)
+                where = positions.get(u)
+                if where is None:
+                    where = positions[u] = {}
+                    for k, o in enumerate(u.operands):
+                        where.setdefault(id(o), []).append(k)
+                todo.extend((u, (k,) + index) for k in where.get(id(node), ()))
             elif op == "get-tuple-element":
                 if not index:
                     return None
@@ -701,13 +711,14 @@ def bf16_stored(module: Module, fused: set[Instruction]) -> set[Instruction]:
     zoo: mlp's relu outputs, convnet's block inputs and max-pool outputs are bf16 buffers).
     """
     out: set[Instruction] = set()
+    positions: dict[Instruction, dict[int, list[int]]] = {}
     # the entry only: loop bodies are not narrowed (their state keeps the loop's types)
     for inst in module.entry.instructions if module.entry is not None else ():
         if inst in fused or inst.opcode == "parameter" or inst.opcode in _PASS_THROUGH \
                 or inst.opcode in ("bitcast", "copy") or not inst.shape.is_array \
                 or inst.shape.element_type != "f32" or inst.shape.num_elements <= 1:
             continue  # forwarders and views carry their source's storage
-        readers = _final_readers(inst)
+        readers = _final_readers(inst, positions=positions)
         if readers and all(is_bf16_matmul(r) for r in readers):
             out.add(inst)
     return out

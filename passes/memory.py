@@ -99,7 +99,9 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar
 
-from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module
+import numpy as np
+
+from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
 from hloopt.passes.liveness import FORWARDS, LiveRanges, Liveness
@@ -215,6 +217,10 @@ class PeakMemory(Analysis[MemoryProfile]):
 
     def run(self, module: Module, am: AnalysisManager) -> MemoryProfile:
         lr = am.get(self.liveness)
+        with gc_paused():  # per-step lists and sets by the ten thousand, freed together
+            return self._run(module, lr)
+
+    def _run(self, module: Module, lr: LiveRanges) -> MemoryProfile:
         n_steps = len(lr.steps)
         last = n_steps - 1
         sizes = lr.size_bytes
@@ -378,62 +384,9 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
         cdiff[s] += size
         cdiff[e + 1] -= size
     on_chip_mov = list(accumulate(cdiff[:-1]))
-    buffers = lr.buffers
     at = lr.aliasing.position_buffers
-    held = [lr.start[b.id] >= 0 for b in buffers]  # materialized (not fused away, not a view)
-
-    def parameter_reads(inst: Instruction) -> tuple[set[int], list[Instruction]]:
-        # the parameters the step reads, through the producers fused into it, tuples, and the
-        # module outputs it reads (returned too): libtpu fuses an output with its later readers
-        # into one multi-output fusion (the optimizer's moment and parameter updates are one)
-        out: set[int] = set()
-        through: list[Instruction] = []
-        seen: set[Instruction] = set()
-        todo = list(inst.operands)
-        while todo:
-            o = todo.pop()
-            if o in seen:
-                continue
-            seen.add(o)
-            bids = at.get(o, ())
-            if o.opcode == "parameter":
-                out.update(b for b in bids if buffers[b].parameter >= 0)
-            elif o.opcode in ("tuple", "get-tuple-element") or not any(held[b] for b in bids):
-                todo.extend(o.operands)
-            elif any(buffers[b].output_indices for b in bids):
-                if o.shape.is_array and inst.shape.is_array and o.shape.dims == inst.shape.dims:
-                    through.append(o)  # a sibling output of one loop fusion: same iteration space
-                todo.extend(o.operands)
-        return out, through
-
-    # Prefetch windows: MSA copies a parameter into VMEM once, overlapping the copy with the
-    # compute step before its first reader, and keeps that copy until its last reader. Readers
-    # are the materialized steps (a fused-away instruction's reads are its consumer's), counted
-    # from the first step of the multi-output fusion they join, and loops, which read the
-    # parameters they carry from their first step on (libtpu hoists what the body does to the
-    # whole array, e.g. the bf16 cast of stacked weights, out of the loop).
-    group_first: dict[int, int] = {}  # step -> first step of its multi-output fusion
-    reads: list[tuple[int, set[int]]] = []
-    compute: list[int] = []
-    for t, inst in enumerate(lr.steps):
-        if inst.opcode == "while" and inst in lr.segments:
-            reads.append((lr.segments[inst][0], parameter_reads(inst)[0]))
-        if inst.opcode in _NO_PREFETCH or not any(held[b] for b in at.get(inst, ())):
-            continue
-        bids, through = parameter_reads(inst)
-        g = min([t] + [group_first.get(lr.time[o], lr.time[o]) for o in through if o in lr.time])
-        group_first[t] = g
-        reads.append((g, bids))
-        reads.append((t, bids))
-        compute.append(t)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for t, bids in sorted(reads, key=lambda r: r[0]):
-        k = bisect_left(compute, t)
-        prev = compute[k - 1] if k > 0 else 0
-        for b in bids:
-            first.setdefault(b, prev)
-            last[b] = max(last.get(b, t), t)
+    # parameters prefetched into VMEM, from the compute step before their first reader to their last
+    first, last, compute = prefetch_windows(lr)
     pdiff = [0] * (n + 1)
     for b, s in first.items():
         pdiff[s] += sizes[b]
@@ -480,6 +433,151 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
         hbm_side.append(hbm_bytes[t] + spilled)
         vmem_side.append(base_bytes + fixed[t] + min(capacity_bytes, on_chip_mov[t] + prefetched[t]))
     return hbm_side, vmem_side
+
+
+def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], list[int]]:
+    """Per parameter buffer id the steps its prefetched VMEM copy is live from and to, and the compute steps.
+
+    MSA copies a parameter into VMEM once, overlapping the copy with the compute step before its
+    first reader, and keeps that copy until its last reader. Readers are the materialized steps
+    (a fused-away instruction's reads are its consumer's), counted from the first step of the
+    multi-output fusion they join, and loops, which read the parameters they carry from their
+    first step on (libtpu hoists what the body does to the whole array, e.g. the bf16 cast of
+    stacked weights, out of the loop). A step reads the parameters behind its operands through
+    the producers fused into it, tuples, and the module outputs it reads: libtpu fuses an output
+    with its later readers into one multi-output fusion (the optimizer's moment and parameter
+    updates are one), when the two have the same dims (the same iteration space).
+
+    Fused-away producers chain across layers (a residual stream of fused adds), so a step can
+    reach many instructions through them. Nothing here walks that chain once per step: the
+    instructions a step reads through are the same for every reader, so the earliest and latest
+    reading step are pushed from readers down to operands once, in topological order, and the
+    module outputs a step reaches are gathered once per instruction (few: the optimizer's). Time
+    and memory are linear in the instructions and operand edges, plus the output sets.
+    """
+    buffers = lr.buffers
+    at = lr.aliasing.position_buffers
+    held = [lr.start[b.id] >= 0 for b in buffers]  # materialized (not fused away, not a view)
+    when = lr.time
+    #: per instruction: 0 reads stop there (a parameter, collected; a materialized value), 1 a step
+    #: reads through it (a tuple, a fused-away producer), 2 through it and joins its fusion (an output)
+    kinds: dict[Instruction, int] = {}
+
+    def kind(o: Instruction) -> int:
+        k = kinds.get(o)
+        if k is None:
+            bids = at.get(o, ())
+            if o.opcode == "parameter":
+                k = 0
+            elif o.opcode in ("tuple", "get-tuple-element") or not any(held[b] for b in bids):
+                k = 1
+            elif any(buffers[b].output_indices for b in bids):
+                k = 2
+            else:
+                k = 0
+            kinds[o] = k
+        return k
+
+    # the held module outputs behind each instruction read through (shared frozensets: most are empty)
+    empty: frozenset[Instruction] = frozenset()
+    outputs_behind: dict[Instruction, frozenset[Instruction]] = {}
+
+    def behind(root: Instruction) -> frozenset[Instruction]:
+        stack = [(root, False)]
+        while stack:
+            v, ready = stack.pop()
+            if v in outputs_behind:
+                continue
+            if not ready:
+                stack.append((v, True))
+                stack.extend((o, False) for o in v.operands if kind(o) and o not in outputs_behind)
+                continue
+            parts = [outputs_behind[o] for o in v.operands if o in outputs_behind]
+            parts = [x for x in parts if x]
+            own = frozenset((v,)) if kinds[v] == 2 else empty
+            if not parts:
+                outputs_behind[v] = own
+            elif len(parts) == 1 and not own:
+                outputs_behind[v] = parts[0]
+            else:
+                outputs_behind[v] = own.union(*parts)
+        return outputs_behind[root]
+
+    # reading times per step: (earliest, latest) over its read entries
+    group_first: dict[int, int] = {}  # step -> first step of its multi-output fusion
+    window: dict[Instruction, tuple[int, int]] = {}
+    compute: list[int] = []
+    for t, inst in enumerate(lr.steps):
+        lo = hi = None
+        if inst.opcode == "while" and inst in lr.segments:
+            lo = hi = lr.segments[inst][0]
+        if inst.opcode not in _NO_PREFETCH and any(held[b] for b in at.get(inst, ())):
+            g = t
+            if inst.shape.is_array:
+                dims = inst.shape.dims
+                for o in inst.operands:
+                    if kind(o):
+                        for out in behind(o):
+                            if out.shape.is_array and out.shape.dims == dims and out in when:
+                                g = min(g, group_first.get(when[out], when[out]))
+            group_first[t] = g
+            lo = g if lo is None else min(lo, g)
+            hi = t if hi is None else max(hi, t)
+            compute.append(t)
+        if lo is not None:
+            window[inst] = (lo, hi)  # type: ignore[assignment]
+
+    # push (earliest, latest) from the readers through what they read, users before operands
+    low: dict[Instruction, int] = {}
+    high: dict[Instruction, int] = {}
+
+    def reach(o: Instruction, lo: int, hi: int) -> None:
+        if o in low:
+            if lo < low[o]:
+                low[o] = lo
+            if hi > high[o]:
+                high[o] = hi
+        else:
+            low[o], high[o] = lo, hi
+
+    for inst, (lo, hi) in window.items():
+        for o in inst.operands:
+            reach(o, lo, hi)
+    # topological order (users first) of everything reached through expanding instructions
+    order: list[Instruction] = []
+    state: dict[Instruction, bool] = {}
+    for root in list(low):
+        if root in state:
+            continue
+        stack = [(root, False)]
+        while stack:
+            v, done = stack.pop()
+            if done:
+                order.append(v)
+                continue
+            if v in state:
+                continue
+            state[v] = True
+            stack.append((v, True))
+            if kind(v):
+                stack.extend((o, False) for o in v.operands if o not in state)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for v in reversed(order):  # a postorder reversed: every user before its operands
+        if v not in low:
+            continue
+        lo, hi = low[v], high[v]
+        if v.opcode == "parameter":
+            k = bisect_left(compute, lo)
+            prev = compute[k - 1] if k > 0 else 0
+            for b in at.get(v, ()):
+                if buffers[b].parameter >= 0:
+                    first[b] = min(first.get(b, prev), prev)
+                    last[b] = max(last.get(b, hi), hi)
+        elif kind(v):
+            for o in v.operands:
+                reach(o, lo, hi)
+    return first, last, compute
 
 
 def activation_minor_sizes(lr: LiveRanges, movable: set[int]) -> dict[int, int]:
@@ -568,6 +666,12 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
     #: allocation index -> (size, [(start, end, buffer id)]); per buffer id, its allocation
     allocs: list[tuple[int, list[tuple[int, int, int]]]] = []
     alloc_of: dict[int, int] = {}
+    # per allocation its output's live range: a temporary whose range crosses it (not only
+    # touching an end) cannot go there, so the smallest-first search skips those allocations
+    # without looking at what else each holds (training steps have thousands of outputs)
+    n_out = sum(1 for b in order if b.output_indices and not b.is_tuple_table)
+    out_start = np.empty(n_out, dtype=np.int64)
+    out_end = np.empty(n_out, dtype=np.int64)
     absorbed: set[int] = set()
     buffer_at = lr.aliasing.position_buffers
 
@@ -595,6 +699,7 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
 
     for b in order:
         if b.output_indices and not b.is_tuple_table:
+            out_start[len(allocs)], out_end[len(allocs)] = start[b.id], end[b.id]
             alloc_of[b.id] = len(allocs)
             allocs.append((sizes[b.id], [(start[b.id], end[b.id], b.id)]))
             continue
@@ -609,7 +714,9 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
                         tried[k] = None
         chosen = next((k for k in tried if fits(k, b)), None)
         if chosen is None:
-            chosen = next((k for k in range(len(allocs) - 1, -1, -1) if fits(k, b)), None)
+            s, e, m = start[b.id], end[b.id], len(allocs)
+            open_ = np.flatnonzero((out_start[:m] >= e) | (out_end[:m] <= s))
+            chosen = next((int(k) for k in open_[::-1] if fits(int(k), b)), None)
         if chosen is not None:
             allocs[chosen][1].append((start[b.id], end[b.id], b.id))
             alloc_of[b.id] = chosen
@@ -670,4 +777,4 @@ def _info(module: Module, b: Buffer, size: int, cat: str, start: int, end: int) 
 
 
 __all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "ON_CHIP_MEMORY_SPACE", "PeakMemory", "categorize",
-           "msa_sides", "msa_timeline", "output_allocation_reuse", "packed_bytes"]
+           "msa_sides", "msa_timeline", "output_allocation_reuse", "packed_bytes", "prefetch_windows"]
