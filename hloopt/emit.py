@@ -152,9 +152,40 @@ def _primitive_rules(decisions: Iterable[Decision]) -> tuple[tuple[str, str | No
     return tuple(sorted(rules, key=lambda r: (r[0], r[1] is None)))
 
 
+def remat3_limits(plan: Plan) -> str | None:
+    """What ``jax_remat3`` cannot carry out of ``plan``, in one line, or None when it can.
+
+    JAX's remat3 (jax 0.10-0.12, behind ``jax_remat3``) reads a policy only as data:
+    ``save_only_these_names`` / ``save_any_names_but_these`` / ``everything_saveable``; any other
+    policy recomputes every value, and nothing is offloaded (measured on the zoo: no
+    ``annotate_device_placement`` at all). So a plan that offloads, or that saves a value by its
+    primitive rather than its checkpoint_name, cannot be expressed there."""
+    offloads = plan.of("offload")
+    by_primitive = [d for d in plan.decisions if d.selector.kind == "primitive" and d.action == "device"]
+    if not offloads and not by_primitive:
+        return None
+    parts = []
+    if offloads:
+        parts.append(f"{len(offloads)} offload(s) (remat3 drops offloading)")
+    if by_primitive:
+        parts.append(f"{len(by_primitive)} value(s) saved by primitive rule (remat3 saves by checkpoint_name only)")
+    return ("jax_remat3 is on: this plan needs " + " and ".join(parts) + "; turn it off "
+            "(jax.config.update('jax_remat3', False)) or use only its saved names "
+            f"(save_only_these_names({', '.join(repr(n) for n in sorted(plan.names('device')))}))")
+
+
 def policy(plan: Plan | str | os.PathLike[str]) -> Callable[..., Any]:
-    """The JAX checkpoint policy that carries out ``plan`` (a :class:`Plan` or a plan file)."""
+    """The JAX checkpoint policy that carries out ``plan`` (a :class:`Plan` or a plan file).
+
+    With ``jax_remat3`` on, a plan it can express (names saved, the rest recomputed) becomes
+    ``save_only_these_names``, the form remat3 reads; see :func:`remat3_limits` for the rest."""
+    from hloopt.policy_override import remat3_enabled
+
     plan = load_plan(plan)
+    if remat3_enabled() and plan.by_name_only and not plan.of("offload"):
+        import jax
+
+        return jax.checkpoint_policies.save_only_these_names(*plan.names("device"))
     if plan.by_name_only:
         import jax
 
@@ -216,7 +247,17 @@ def python_snippet(plan: Plan | str | os.PathLike[str]) -> str:
     """
     plan = load_plan(plan)
     lines = _header(plan, "#", "checkpoint policy")
-    lines.append("# use: jax.checkpoint(layer_fn, policy=policy)")
+    lines += [
+        "# use, without editing the model (plan.json is what hloopt plan --out wrote):",
+        "#   with hloopt.use_plan(\"plan.json\"): compiled = jax.jit(step).lower(*args).compile()",
+        "#   step = hloopt.apply_plan(\"plan.json\", step)   # takes the plan whenever it is traced",
+        "# or paste the policy below into your own jax.checkpoint(layer_fn, policy=policy)",
+    ]
+    from hloopt.policy_override import remat3_enabled
+
+    limits = remat3_limits(plan) if remat3_enabled() else None
+    if limits:
+        lines.append(f"# WARNING: {limits}")
     lines.append("")
     if plan.by_name_only:
         lines += [
@@ -253,6 +294,13 @@ def python_snippet(plan: Plan | str | os.PathLike[str]) -> str:
 
 # -- MaxText ---------------------------------------------------------------------------------------
 
+def maxtext_unexpressible(plan: Plan) -> list[Decision]:
+    """Decisions a MaxText ``remat_policy: custom`` cannot express: keeping or offloading a value
+    that has no MaxText checkpoint_name (MaxText recomputes whatever it is not told about)."""
+    return [d for d in plan.decisions
+            if not (d.selector.kind == "name" and d.selector.name in MAXTEXT_NAMES) and d.action != "remat"]
+
+
 def maxtext_yaml(plan: Plan | str | os.PathLike[str], *, strict: bool = True) -> str:
     """A MaxText config fragment: ``remat_policy: custom`` and every MaxText tensor key.
 
@@ -267,12 +315,10 @@ def maxtext_yaml(plan: Plan | str | os.PathLike[str], *, strict: bool = True) ->
     values: dict[str, str] = {"remat_policy": "custom"}
     for n in MAXTEXT_NAMES:
         values[n] = MAXTEXT_DEFAULTS.get(n, "remat")
-    left_out: list[Decision] = []
     for d in plan.decisions:
         if d.selector.kind == "name" and d.selector.name in MAXTEXT_NAMES:
             values[d.selector.name] = d.action
-        elif d.action != "remat":  # remat is what MaxText does with anything it is not told about
-            left_out.append(d)
+    left_out = maxtext_unexpressible(plan)
     if left_out and strict:
         what = ", ".join(_describe(d) for d in left_out[:5]) + (", ..." if len(left_out) > 5 else "")
         raise UserError(f"{len(left_out)} decision(s) cannot be written as a MaxText remat_policy "

@@ -559,6 +559,10 @@ class PlanOutcome:
 
     #: top-level packages the target's factory uses (frameworks.imported_by), to name its switch
     imports: frozenset[str] = frozenset()
+    #: the search's settings, for searching again under other constraints (config_only_plan)
+    max_slowdown: float | None = None
+    solver: str = "auto"
+    time_limit_s: float = 10.0
 
     def unmovable_line(self) -> str | None:
         return unmovable_residuals_line(self.analyzed.residuals, imports=self.imports)
@@ -763,7 +767,50 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                          solver=solver_info, pareto=list(sr.pareto) if pareto else None)
     anchors = run_anchors(problem)
     return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written,
-                       imports=frozenset(_imports(tgt)))
+                       imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
+                       time_limit_s=time_limit_s)
+
+
+def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:
+    """The best plan a framework config that decides only ``names`` can express (MaxText's
+    ``remat_policy: custom`` keys): every other candidate gets what such a config does with a
+    value it is not told about, recomputation (kept on device where it cannot be recomputed),
+    and the same search runs again under the outcome's budget or slowdown. None when nothing
+    such a config expresses fits the budget."""
+    from hloopt.search import search
+    from hloopt.simulator import simulate
+
+    allowed_names = frozenset(names)
+    problem = outcome.problem
+    candidates = []
+    for c in problem.candidates:
+        if c.name not in allowed_names:
+            forced = Action.REMAT if Action.REMAT in c.allowed else Action.DEVICE
+            c = dataclasses.replace(c, allowed=frozenset({forced}))
+        candidates.append(c)
+    restricted = dataclasses.replace(problem, candidates=tuple(candidates))
+    p = outcome.plan
+    budget_bytes = p.budget.bytes if p.budget is not None else None
+    max_slowdown = outcome.max_slowdown if budget_bytes is None else None
+    if budget_bytes is None and max_slowdown is None:
+        return None  # a pareto plan has no single answer to compare
+    try:
+        sr = search(restricted, budget_bytes=budget_bytes, max_slowdown=max_slowdown,
+                    solver=outcome.solver, time_limit_s=outcome.time_limit_s)
+    except InfeasibleBudget:
+        return None
+    result = simulate(restricted, sr.plan.decisions)
+    chosen = sr.plan
+    gap = chosen.mip_gap if chosen.mip_gap == chosen.mip_gap else None
+    return make_plan(p.target, outcome.analyzed, restricted, _profile_of(p), budget_spec=p.budget.spec if p.budget else None,
+                     budget_bytes=budget_bytes, mode=p.mode, decisions=chosen.decisions, result=result,
+                     baseline=outcome.baseline, solver={"name": chosen.solver, "status": chosen.status or "", "gap": gap})
+
+
+def _profile_of(plan: Any) -> DeviceProfile:
+    from hloopt.devices import profile_from_dict
+
+    return profile_from_dict(plan.device)
 
 
 def _imports(tgt: Any) -> set[str]:

@@ -80,10 +80,7 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
             console.print("\n[bold]Policy[/bold] (paste into your jax.checkpoint):")
             click.echo(python_snippet(outcome.plan))
         elif emit_format == "maxtext":
-            from hloopt.emit import maxtext_yaml
-
-            console.print("\n[bold]MaxText config[/bold]:")
-            click.echo(maxtext_yaml(outcome.plan, strict=False))
+            _print_maxtext(outcome, console)
         else:
             click.echo(text)
         if out_path:
@@ -91,6 +88,33 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
         if html_path:
             console.print(f"wrote {html_path}")
         return 0
+
+
+def _print_maxtext(outcome: object, console: object) -> None:
+    """The plan as MaxText keys; where MaxText cannot express all of it (rules for unnamed
+    residuals), say so and print the best plan its keys alone express, with its prediction."""
+    from hloopt import pipeline
+    from hloopt.emit import MAXTEXT_NAMES, maxtext_unexpressible, maxtext_yaml
+    from hloopt.units import format_bytes, format_seconds
+
+    plan = outcome.plan  # type: ignore[attr-defined]
+    console.print("\n[bold]MaxText config[/bold]:")  # type: ignore[attr-defined]
+    click.echo(maxtext_yaml(plan, strict=False))
+    missing = maxtext_unexpressible(plan)
+    if not missing:
+        return
+    alt = pipeline.config_only_plan(outcome, MAXTEXT_NAMES)  # type: ignore[arg-type]
+    pr = plan.predicted
+    console.print(f"MaxText's keys cannot express {len(missing)} of this plan's decisions (rules for values "  # type: ignore[attr-defined]
+                  f"without a MaxText checkpoint_name); the plan above predicts {format_bytes(pr.peak_bytes)}, "
+                  f"{format_seconds(pr.step_time_s)}.", markup=False, highlight=False)
+    if alt is None:
+        console.print("No plan MaxText's keys alone can express fits the budget.", markup=False)  # type: ignore[attr-defined]
+        return
+    ap = alt.predicted
+    console.print(f"\n[bold]Best plan MaxText's keys alone express[/bold]: peak {format_bytes(ap.peak_bytes)}, "  # type: ignore[attr-defined]
+                  f"step {format_seconds(ap.step_time_s)}:")
+    click.echo(maxtext_yaml(alt, strict=False))
 
 
 def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None:
