@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["auto_offload", "lower", "policy"]
+__all__ = ["auto_offload", "liveness_graph", "lower", "policy"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +18,10 @@ def __getattr__(name: str) -> Any:
         from hloopt.auto import auto_offload
 
         return auto_offload
+    if name == "liveness_graph":
+        from hloopt.graph import liveness_graph
+
+        return liveness_graph
     if name == "policy":
         from hloopt.emit import policy
 
