@@ -227,3 +227,27 @@ def test_liveness_graph_is_exported_lazily() -> None:
     import hloopt
 
     assert hloopt.liveness_graph is liveness_graph
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_jax_target_residuals_carry_their_checkpoint_names() -> None:
+    # gpt2 tiny (lowered for TPU): the residuals that checkpoint_name selects carry the name, and
+    # JAX itself saves a value of that name with the node's dtype and dims when asked to
+    import jax
+
+    from hloopt.naming import jax_saved_residuals
+    from hloopt.targets import resolve
+
+    target = str(ROOT / "fixtures/zoo/gpt2.py:tiny")
+    g = liveness_graph(target, interference=False)
+    named = {n: d for n, d in g.nodes(data=True) if d["checkpoint_name"]}
+    assert named and all(d["residual"] for d in named.values())
+    names = sorted({d["checkpoint_name"] for d in named.values()})
+    policy = jax.checkpoint_policies.save_only_these_names(*names)
+    saved = jax_saved_residuals(resolve(target, factory_kwargs={"policy": policy}))
+    hlo_type = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+    jax_shapes = {(desc.split("'")[1], f"{hlo_type[str(a.dtype)]}[{','.join(map(str, a.shape))}]")
+                  for a, desc in saved if desc.startswith("named '")}
+    for n, d in named.items():
+        assert (d["checkpoint_name"], d["shape"].split("{")[0]) in jax_shapes, (n, d["shape"], jax_shapes)
