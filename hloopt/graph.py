@@ -19,35 +19,38 @@ one pair, told apart by their key, which is also their ``kind``:
 * ``(u, v, "interference")``: the closed live intervals of ``u`` and ``v`` overlap and both are
   in the same memory space (buffers in different spaces never share storage), so no allocator can
   give them the same bytes. Undirected in meaning: one edge per pair, from the buffer that starts
-  first to the other (ties: lower ``buffer_id`` first). Found by a sweep over intervals sorted by
-  start, so the cost is O(n log n + edges); edges can still be quadratic in the buffers (a
-  parameter live throughout interferes with everything), hence ``interference=False``.
+  first to the other (ties: the one that ends first, then the lower ``buffer_id``). Found by a
+  sweep over intervals sorted by start, so the cost is O(n log n + edges); edges can still be
+  quadratic in the buffers (a parameter live throughout interferes with everything), hence
+  ``interference=False``.
 
 Node ids are the defining instruction's name, plus ``{i,j}`` for a tuple element (the names
 ``hloopt analyze`` lists), suffixed ``#<buffer id>`` only if two buffers would share one. Node
 attributes (None where unknown):
 
-=================  ===============================================================================
-``buffer_id``      the buffer's id in :class:`~hloopt.passes.aliasing.Aliasing`
-``instruction``    defining instruction (the buffer's first defining position), ``index`` its
-                   shape index ("" or "{0,1}"), ``opcode``, ``shape`` (HLO text), ``computation``
-``bytes``          bytes the model counts (fusion model sizes, TPU tiling, alignment)
-``start``/``end``  live interval, closed, in flat schedule steps (``Liveness``)
-``counted_start``  the interval the device timeline counts it over (``PeakMemory``: outputs from
-``counted_end``    step 0 under TPU accounting...); -1 when not in it (constants as static
-                   allocations, temporaries inside an output's allocation, host/on-chip memory)
-``memory_space``   0 device, 5 host, 1 TPU VMEM...
-``category``       :func:`hloopt.passes.memory.categorize`: parameters, optimizer state, inputs,
-                   gradients, activations, temporaries, outputs, static
-``residual``       a forward value the backward pass reads (:mod:`hloopt.passes.residuals`)
-``checkpoint_name`` the ``checkpoint_name`` that selects the residual (:mod:`hloopt.naming`, JAX
-                   targets with ``names=True`` only; None for HLO files and dumps)
-``source``         "file:line" of the defining instruction's metadata (relative to the current
-                   folder when inside it)
-``op_name``        the metadata's op_name ("" when none)
-``parameter``      entry parameter number, or -1; ``output``: part of the module's output
-``tuple_table``    the buffer is a tuple's index table (8 bytes per element)
-=================  ===============================================================================
+===================  =============================================================================
+``buffer_id``        the buffer's id in :class:`~hloopt.passes.aliasing.Aliasing`
+``instruction``      defining instruction (the buffer's first defining position), ``index`` its
+                     shape index ("" or "{0,1}"), ``opcode``, ``shape`` (HLO text), ``computation``
+``bytes``            bytes the model counts (fusion model sizes, TPU tiling, alignment)
+``start``, ``end``   live interval, closed, in flat schedule steps (``Liveness``)
+``counted_start``,   the steps ``PeakMemory`` counts it over (outputs from step 0 under TPU
+``counted_end``      accounting...); -1 when it counts it nowhere (constants as static
+                     allocations, temporaries inside an output's allocation, VMEM values when
+                     the HBM heap is the one reported); host buffers count in the host timeline
+``memory_space``     0 device, 5 host, 1 TPU VMEM...
+``category``         :func:`hloopt.passes.memory.categorize`: parameters, optimizer state,
+                     inputs, gradients, activations, temporaries, outputs, static
+``residual``         holds a forward value the backward pass reads (:mod:`hloopt.passes.residuals`,
+                     found on the module as lowered; one the fusion model fuses away is no node)
+``checkpoint_name``  the ``checkpoint_name`` that selects the residual (:mod:`hloopt.naming`: JAX
+                     targets with ``names=True`` only; None for HLO files and dumps)
+``source``           "file:line" of the defining instruction's metadata (relative to the current
+                     folder when inside it)
+``op_name``          the metadata's op_name ("" when none)
+``parameter``        entry parameter number, or -1; ``output``: part of the module's output
+``tuple_table``      the buffer is a tuple's index table (8 bytes per element)
+===================  =============================================================================
 
 Graph attributes: ``module``, ``kind`` (the accounting, as in ``analyze --json``'s settings),
 ``platform``, ``schedule``, ``num_steps``, ``peak_bytes``, ``peak_step``.
@@ -252,7 +255,8 @@ def _interference(lr: LiveRanges, nodes: list[Any]) -> list[tuple[int, int]]:
     return out
 
 
-def _residual_buffers(lr: LiveRanges, node_of: dict[int, str], residuals: dict[str, str | None]) -> dict[int, str | None]:
+def _residual_buffers(lr: LiveRanges, node_of: dict[int, str],
+                      residuals: dict[str, str | None]) -> dict[int, str | None]:
     """Buffer id -> checkpoint_name (or None) of the node buffers holding a residual."""
     entry = lr.module.entry
     at = lr.aliasing.position_buffers
