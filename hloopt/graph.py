@@ -228,6 +228,8 @@ def _data_edges(lr: LiveRanges, node_of: dict[int, str]) -> list[tuple[str, str,
 
     edges: dict[tuple[int, int], int] = {}
     for t, inst in enumerate(lr.steps):
+        if inst.opcode == "while":
+            _loop_copies(lr, inst, node_of, edges)
         if inst.opcode in FORWARDS:
             continue
         defined = [b for b in dict.fromkeys(at.get(inst, ())) if b in node_of]
@@ -239,6 +241,25 @@ def _data_edges(lr: LiveRanges, node_of: dict[int, str]) -> list[tuple[str, str,
                     if src != dst:
                         edges.setdefault((src, dst), t)
     return [(node_of[u], node_of[v], t) for (u, v), t in edges.items()]
+
+
+def _loop_copies(lr: LiveRanges, loop: Instruction, node_of: dict[int, str], edges: dict[tuple[int, int], int]) -> None:
+    """Data edges of the copies a loop makes into its state (:mod:`hloopt.passes.aliasing`): an
+    init value that is not the slot's buffer is copied in before the loop's first step, a body
+    result that is not is copied in at the body root."""
+    at = lr.aliasing.position_buffers
+    slots = at.get(loop, ())
+    body = (loop.called.get("body") or [None])[0]
+    sources = [(loop.operands[0], lr.segments.get(loop, (lr.time[loop],))[0])] if loop.operands else []
+    if body is not None and body.root is not None and body.root in lr.time:
+        sources.append((body.root, lr.time[body.root]))
+    for src, step in sources:
+        held = at.get(src, ())
+        if len(held) != len(slots):
+            continue
+        for a, b in zip(held, slots):
+            if a != b and a in node_of and b in node_of:
+                edges.setdefault((a, b), step)
 
 
 def _interference(lr: LiveRanges, nodes: list[Any]) -> list[tuple[int, int]]:

@@ -108,6 +108,62 @@ def test_memory_spaces_do_not_interfere_and_tuples_forward() -> None:
     assert edges(g, "data") == {("h", "a"), ("a", "b"), ("q", "b")}
 
 
+# A loop whose state is a counter and an f32[16] rewritten each iteration through an f32[1024]
+# temporary; the undonated parameter p and the constant z are copied into the state.
+WHILE = """
+HloModule loop
+body {
+  s = (s32[], f32[16]) parameter(0)
+  i = s32[] get-tuple-element(s), index=0
+  x = f32[16] get-tuple-element(s), index=1
+  big = f32[1024] broadcast(x), dimensions={}
+  r = f32[16] slice(big), slice={[0:16]}
+  one = s32[] constant(1)
+  i2 = s32[] add(i, one)
+  ROOT t = (s32[], f32[16]) tuple(i2, r)
+}
+cond {
+  s = (s32[], f32[16]) parameter(0)
+  i = s32[] get-tuple-element(s), index=0
+  n = s32[] constant(3)
+  ROOT lt = pred[] compare(i, n), direction=LT
+}
+ENTRY e {
+  p = f32[16] parameter(0)
+  z = s32[] constant(0)
+  init = (s32[], f32[16]) tuple(z, p)
+  w = (s32[], f32[16]) while(init), condition=cond, body=body
+  ROOT out = f32[16] get-tuple-element(w), index=1
+}"""
+
+
+def test_loop_state_copies_and_body_reads() -> None:
+    g = liveness_graph(parse_module(WHILE), platform="cpu")
+    # flat schedule: p z init | cond: s i n lt | body: s i x big r one i2 t | w out
+    assert g.graph["num_steps"] == 17
+    assert (g.nodes["big"]["bytes"], g.nodes["big"]["computation"]) == (4096, "body")
+    assert (g.nodes["big"]["start"], g.nodes["big"]["end"]) == (10, 11)
+    assert (g.nodes["w{1}"]["bytes"], g.nodes["w{1}"]["start"], g.nodes["w{1}"]["end"]) == (64, 3, 16)
+    # p and z are copied into the state before the loop's first step; the body reads the state
+    # (through the parameter's get-tuple-element) and writes its results into it in place
+    assert edges(g, "data") == {("p", "w{1}"), ("z", "w{0}"), ("w{1}", "big"), ("big", "w{1}"),
+                                ("one", "w{0}"), ("w{0}", "lt"), ("n", "lt")}
+    assert g.edges["p", "w{1}", "data"]["step"] == 3
+    # the body's temporary and the condition's result are never live together
+    assert frozenset(("big", "lt")) not in interfering(g)
+    assert frozenset(("big", "w{1}")) in interfering(g)
+
+
+def test_interference_is_every_overlapping_pair_in_one_memory_space() -> None:
+    # the sweep against all pairs, on the zoo gpt2 step as libtpu would see it
+    g = liveness_graph(str(ROOT / "fixtures/hlo/zoo/gpt2.tpu.hlo"))
+    nodes = list(g.nodes(data=True))
+    want = {frozenset((a, b)) for i, (a, da) in enumerate(nodes) for b, db in nodes[i + 1:]
+            if da["memory_space"] == db["memory_space"] and da["start"] <= db["end"] and db["start"] <= da["end"]}
+    assert interfering(g) == want
+    assert len(edges(g, "interference")) == len(want)  # one edge per pair
+
+
 def test_tpu_prediction_readers_of_fused_values_read_their_inputs() -> None:
     # platform="tpu": XLA fuses the negate and the broadcast into the exponential that reads them
     # (hloopt.passes.fusion_model); the fused values hold no buffer, and the exponential reads p.
