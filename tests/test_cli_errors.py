@@ -81,6 +81,7 @@ def one_error_line(argv: list[str]) -> str:
 TARGET_COMMANDS = {
     "analyze": ["analyze", "{t}"],
     "residuals": ["residuals", "{t}"],
+    "graph": ["graph", "{t}"],
     "plan": ["plan", "{t}", "--device", "tpu-v5e", "--max-slowdown", "3%", "-q"],
     "report": ["report", "{t}"],
     "diff A": ["diff", "{t}", HLO],
@@ -329,6 +330,7 @@ H, H2, PLAN = sys.argv[1:4]
 res = {}
 for argv in [["--help"]] + [[c, "--help"] for c in sorted(COMMANDS)] + [
         ["inspect", H], ["analyze", H, "--json"], ["residuals", H, "--json"], ["report", H, "--json"],
+        ["graph", H, "--format", "json"],
         ["diff", H, H2, "--json"], ["plan", H, "--device", "tpu-v5e", "--max-slowdown", "3%", "--json", "-q"],
         ["emit", PLAN], ["devices"], ["analyze", H + ".missing"]]:
     out, err = io.StringIO(), io.StringIO()
