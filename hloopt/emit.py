@@ -182,7 +182,7 @@ def policy(plan: Plan | str | os.PathLike[str]) -> Callable[..., Any]:
     from hloopt.policy_override import remat3_enabled
 
     plan = load_plan(plan)
-    if remat3_enabled() and plan.by_name_only and not plan.of("offload"):
+    if remat3_enabled() and remat3_limits(plan) is None:
         import jax
 
         return jax.checkpoint_policies.save_only_these_names(*plan.names("device"))
@@ -294,11 +294,15 @@ def python_snippet(plan: Plan | str | os.PathLike[str]) -> str:
 
 # -- MaxText ---------------------------------------------------------------------------------------
 
-def maxtext_unexpressible(plan: Plan) -> list[Decision]:
+def maxtext_unexpressible(plan: Plan, choosable: Iterable[str] | None = None) -> list[Decision]:
     """Decisions a MaxText ``remat_policy: custom`` cannot express: keeping or offloading a value
-    that has no MaxText checkpoint_name (MaxText recomputes whatever it is not told about)."""
+    that has no MaxText checkpoint_name (MaxText recomputes whatever it is not told about).
+    ``choosable``: the keys of values a policy can recompute (one it cannot recompute is kept by
+    any policy, MaxText's too)."""
+    keys = None if choosable is None else set(choosable)
     return [d for d in plan.decisions
-            if not (d.selector.kind == "name" and d.selector.name in MAXTEXT_NAMES) and d.action != "remat"]
+            if not (d.selector.kind == "name" and d.selector.name in MAXTEXT_NAMES) and d.action != "remat"
+            and (keys is None or d.key in keys)]
 
 
 def maxtext_yaml(plan: Plan | str | os.PathLike[str], *, strict: bool = True) -> str:

@@ -772,21 +772,25 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
 
 
 def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:
-    """The best plan a framework config that decides only ``names`` can express (MaxText's
-    ``remat_policy: custom`` keys): every other candidate gets what such a config does with a
-    value it is not told about, recomputation (kept on device where it cannot be recomputed),
-    and the same search runs again under the outcome's budget or slowdown. None when nothing
-    such a config expresses fits the budget."""
+    """A plan a framework config that decides only ``names`` can express (MaxText's
+    ``remat_policy: custom`` keys): every other value gets what such a config does with a value
+    it is not told about, recomputation (kept where it cannot be recomputed). The search runs
+    again under the outcome's budget or slowdown with those values allowed nothing but
+    recomputation; the solvers always allow keeping a value, so any such choice is then forced
+    back to recomputation, which only frees memory (the budget still holds) and costs the
+    recomputation's time: the best such plan found, not a proven optimum. None when no such plan
+    fits the budget."""
     from hloopt.search import search
     from hloopt.simulator import simulate
 
     allowed_names = frozenset(names)
     problem = outcome.problem
     candidates = []
+    forced: dict[str, Action] = {}
     for c in problem.candidates:
         if c.name not in allowed_names:
-            forced = Action.REMAT if Action.REMAT in c.allowed else Action.DEVICE
-            c = dataclasses.replace(c, allowed=frozenset({forced}))
+            forced[c.key] = Action.REMAT if Action.REMAT in c.allowed else Action.DEVICE
+            c = dataclasses.replace(c, allowed=frozenset({forced[c.key]}))
         candidates.append(c)
     restricted = dataclasses.replace(problem, candidates=tuple(candidates))
     p = outcome.plan
@@ -799,12 +803,17 @@ def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:
                     solver=outcome.solver, time_limit_s=outcome.time_limit_s)
     except InfeasibleBudget:
         return None
-    result = simulate(restricted, sr.plan.decisions)
     chosen = sr.plan
-    gap = chosen.mip_gap if chosen.mip_gap == chosen.mip_gap else None
-    return make_plan(p.target, outcome.analyzed, restricted, _profile_of(p), budget_spec=p.budget.spec if p.budget else None,
-                     budget_bytes=budget_bytes, mode=p.mode, decisions=chosen.decisions, result=result,
-                     baseline=outcome.baseline, solver={"name": chosen.solver, "status": chosen.status or "", "gap": gap})
+    actions = {k: a for k, a in chosen.decisions.actions.items() if k not in forced}
+    actions.update({k: a for k, a in forced.items() if a != Action.DEVICE})
+    decisions = Decisions(actions)
+    result = simulate(restricted, decisions)
+    if budget_bytes is not None and result.peak_bytes > budget_bytes:
+        return None
+    return make_plan(p.target, outcome.analyzed, restricted, _profile_of(p),
+                     budget_spec=p.budget.spec if p.budget else None, budget_bytes=budget_bytes, mode=p.mode,
+                     decisions=decisions, result=result, baseline=outcome.baseline,
+                     solver={"name": chosen.solver, "status": "feasible", "gap": None})
 
 
 def _profile_of(plan: Any) -> DeviceProfile:

@@ -246,3 +246,55 @@ def test_equinox_filter_checkpoint_takes_the_policy() -> None:
     assert _host_annotations(lower(step, model, x, platform="tpu").hlo_text) == 0
     assert _host_annotations(lower(step, model, x, platform="tpu", policy=_offload("h")).hlo_text) == 1
     assert _host_annotations(lower(step, model, x, platform="tpu").hlo_text) == 0
+
+
+# -- what a framework's config or JAX's remat3 can express ------------------------------------------
+
+
+def test_config_only_plan_recomputes_what_the_config_cannot_name() -> None:
+    from hloopt import pipeline
+    from hloopt.devices import load_profile
+    from hloopt.emit import MAXTEXT_NAMES, maxtext_unexpressible
+    from hloopt.targets import resolve
+
+    outcome = pipeline.plan(resolve("fixtures/zoo/llama.py:tiny"), profile=load_profile("tpu-v5e"),
+                            budget="4.8MiB", solver="milp", time_limit_s=10.0)
+    allowed = {c.key: c.allowed for c in outcome.problem.candidates}
+    choosable = [k for k, a in allowed.items() if any(x.value == "remat" for x in a)]
+    assert maxtext_unexpressible(outcome.plan, choosable)  # the zoo plan keeps unnamed values on device
+    alt = pipeline.config_only_plan(outcome, MAXTEXT_NAMES)
+    assert alt is not None and not maxtext_unexpressible(alt, choosable)
+    for d in alt.decisions:
+        if d.name not in MAXTEXT_NAMES:
+            assert d.action == ("remat" if any(a.value == "remat" for a in allowed[d.key]) else "device")
+    assert alt.predicted.peak_bytes <= outcome.plan.budget.bytes
+    # a narrower choice never beats the optimum of the wider one (within the MILP's gap)
+    gap = outcome.plan.solver.gap or 0.0
+    assert alt.predicted.step_time_s >= outcome.plan.predicted.step_time_s * (1 - gap - 1e-9)
+
+
+def test_remat3_gets_a_policy_it_reads_or_is_told_what_it_cannot_do(tmp_path) -> None:
+    from hloopt.emit import load_plan, policy, remat3_limits
+
+    if not hasattr(jax.config, "jax_remat3"):
+        pytest.skip(f"jax {jax.__version__} has no jax_remat3 flag")
+    offloading = load_plan(str(_zoo_plan(tmp_path)))
+    data = json.loads(offloading.to_json())
+    for d in data["decisions"]:
+        d["action"] = "device" if d["selector"]["kind"] == "name" else "remat"
+    saving_path = tmp_path / "saving.json"
+    saving_path.write_text(json.dumps(data))
+    saving = load_plan(str(saving_path))
+    step = _plain_step()
+    previous = jax.config.jax_remat3
+    jax.config.update("jax_remat3", True)
+    try:
+        pol = policy(saving)
+        assert type(pol) is type(jax.checkpoint_policies.save_only_these_names("x"))
+        assert remat3_limits(saving) is None
+        limits = remat3_limits(offloading)
+        assert limits is not None and f"{len(offloading.of('offload'))} offload(s)" in limits
+        # JAX's remat3 drops offloading: the offloading plan's policy annotates nothing
+        assert _host_annotations(_lowered(apply_policy(policy(offloading), step), X, W)) == 0
+    finally:
+        jax.config.update("jax_remat3", previous)

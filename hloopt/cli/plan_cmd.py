@@ -100,7 +100,9 @@ def _print_maxtext(outcome: object, console: object) -> None:
     plan = outcome.plan  # type: ignore[attr-defined]
     console.print("\n[bold]MaxText config[/bold]:")  # type: ignore[attr-defined]
     click.echo(maxtext_yaml(plan, strict=False))
-    missing = maxtext_unexpressible(plan)
+    # values that can be recomputed: what MaxText does with any it is not told about
+    choosable = [c.key for c in outcome.problem.candidates if any(a.value == "remat" for a in c.allowed)]  # type: ignore[attr-defined]
+    missing = maxtext_unexpressible(plan, choosable)
     if not missing:
         return
     alt = pipeline.config_only_plan(outcome, MAXTEXT_NAMES)  # type: ignore[arg-type]
