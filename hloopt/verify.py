@@ -154,35 +154,10 @@ def _shape_text(shape: Any) -> str:
     return re.sub(r"\{[^{}]*\}", "", str(shape))
 
 
-def _trip_count(while_inst: Any) -> int | None:
-    """N for a loop whose condition is ``counter < N`` with the counter starting at a constant."""
-    cond = (while_inst.called.get("condition") or [None])[0]
-    if cond is None or cond.root is None:
-        return None
-    root = cond.root
-    if root.opcode != "compare" or root.attrs.get("direction") != "LT" or len(root.operands) != 2:
-        return None
-    counter, limit = root.operands
-    if counter.opcode != "get-tuple-element" or limit.opcode != "constant":
-        return None
-    try:
-        n = int(limit.literal or "")
-    except ValueError:
-        return None
-    start = 0
-    init = while_inst.operands[0] if while_inst.operands else None
-    if init is not None and init.opcode == "tuple" and counter.tuple_index < len(init.operands):
-        first = init.operands[counter.tuple_index]
-        if first.opcode == "constant":
-            try:
-                start = int(first.literal or "")
-            except ValueError:
-                pass
-    return max(n - start, 0)
-
-
 def _multiplicities(mod: Any) -> dict[str, int]:
     """Computation name -> executions per step (loop bodies: times their trip counts)."""
+    from hloopt.passes.loops import trip_count
+
     memo: dict[str, int] = {}
 
     def of(comp: Any, depth: int = 0) -> int:
@@ -195,7 +170,7 @@ def _multiplicities(mod: Any) -> dict[str, int]:
         for caller in comp.callers:
             n = of(caller.parent, depth + 1) if caller.parent is not None else 1
             if caller.opcode == "while" and comp in (caller.called.get("body") or []):
-                n *= _trip_count(caller) or 1
+                n *= trip_count(caller) or 1
             total += n
         memo[comp.name] = max(total, 1)
         return memo[comp.name]

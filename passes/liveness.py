@@ -36,7 +36,6 @@ visited computation exactly once.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar, Iterator
@@ -128,50 +127,6 @@ class LiveRanges:
             if v > out[e]:
                 out[e] = v
         return out
-
-    def unrolled(self) -> Iterator[tuple[int, int]]:
-        """(step, iteration) with every while body repeated by its known trip count.
-
-        Steps outside loop bodies have iteration 0. Loops without ``known_trip_count`` run once.
-        Nested loops repeat inside each outer iteration.
-        """
-        body_spans: dict[int, tuple[int, int]] = {}  # first step of a body -> (last, trips)
-        for inst, _ in self.segments.items():
-            if inst.opcode == "while":
-                body = (inst.called.get("body") or [None])[0]
-                steps = [self.time[i] for i in body.instructions] if body is not None else []
-                if steps:
-                    body_spans[min(steps)] = (max(steps), trip_count(inst) or 1)
-
-        def walk(lo: int, hi: int, it: int) -> Iterator[tuple[int, int]]:
-            t = lo
-            while t <= hi:
-                span = body_spans.get(t)
-                if span is not None:
-                    last, trips = span
-                    for k in range(trips):
-                        yield from walk_body(t, last, k)
-                    t = last + 1
-                else:
-                    yield t, it
-                    t += 1
-
-        def walk_body(lo: int, hi: int, k: int) -> Iterator[tuple[int, int]]:
-            # the body's own first step is not re-entered as a loop start
-            yield lo, k
-            yield from walk(lo + 1, hi, k)
-
-        yield from walk(0, len(self.steps) - 1, 0)
-
-
-_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-
-
-def trip_count(inst: Instruction) -> int | None:
-    """A while loop's ``known_trip_count`` from its backend_config, if XLA recorded it."""
-    m = _TRIP.search(inst.attrs.get("backend_config", ""))
-    return int(m.group(1)) if m else None
-
 
 @dataclass(frozen=True)
 class Liveness(Analysis[LiveRanges]):
@@ -316,5 +271,4 @@ def tpu_tiled_bytes(shape: Shape) -> int:
     return max(512, (n * bits + 7) // 8)
 
 
-__all__ = ["LiveRange", "LiveRanges", "Liveness", "MATERIALIZE", "storage_views", "tpu_tiled_bytes",
-           "trip_count"]
+__all__ = ["LiveRange", "LiveRanges", "Liveness", "MATERIALIZE", "storage_views", "tpu_tiled_bytes"]

@@ -48,14 +48,14 @@ JAX's unscheduled text the loss's last ops may come after the first backward ops
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 from hloopt.errors import UserError
 from hloopt.frameworks import FRAMEWORK_PACKAGES
+from hloopt.passes.loops import trip_count
 from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 
@@ -874,32 +874,6 @@ def _stacked_by_trip_count(loop: Instruction, index: int, out: Instruction) -> t
     if _look_through(init.operands[index]).opcode not in ("broadcast", "constant"):
         return None  # a stacked buffer starts as zeros; a carried activation does not
     return out, 0, shape.on_host
-
-
-def trip_count(loop: Instruction) -> int | None:
-    """A while's trip count: ``known_trip_count`` in its backend_config, else ``i < N`` in its condition."""
-    cfg = loop.backend_config
-    if cfg.startswith("{"):
-        try:
-            n = json.loads(cfg).get("known_trip_count", {}).get("n")
-            if n is not None:
-                return int(n)
-        except (ValueError, AttributeError):
-            pass
-    cond = (loop.called.get("condition") or [None])[0]
-    if cond is None or cond.root is None:
-        return None
-    r = cond.root
-    if r.opcode == "fusion":
-        comp = (r.called.get("calls") or [None])[0]
-        if comp is None or comp.root is None:
-            return None
-        r = comp.root
-    if r.opcode == "compare" and r.attrs.get("direction") == "LT" and len(r.operands) == 2:
-        c = r.operands[1]
-        if c.opcode == "constant" and c.literal is not None and c.literal.lstrip("-").isdigit():
-            return int(c.literal)
-    return None
 
 
 def _reads_reversed(bwd_loop: Instruction, inst: Instruction) -> bool | None:

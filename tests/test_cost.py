@@ -10,7 +10,8 @@ import pytest
 
 from hloopt.devices import load_profile
 from hloopt.hlo.parser import parse_file, parse_module
-from hloopt.passes.cost import CostAnalysis, trip_count
+from hloopt.passes.cost import CostAnalysis
+from hloopt.passes.loops import trip_count
 
 ZOO = Path(__file__).resolve().parent.parent / "fixtures" / "hlo" / "zoo"
 MODELS = ("mlp", "gpt2", "llama", "convnet", "sharded")
