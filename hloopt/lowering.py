@@ -80,7 +80,7 @@ import dataclasses
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -162,6 +162,7 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
     import jax
 
     label = _label(step_fn)
+    original = step_fn
     step_fn, args, kwargs, override = _resolve_step(step_fn, args, kwargs, policy)
     if platform not in PLATFORMS:
         raise UserError(f"unknown platform {platform!r}: expected one of {', '.join(PLATFORMS)}")
@@ -176,7 +177,9 @@ def lower(step_fn: Any, *args: Any, platform: str = "tpu", policy: Any = None, c
 
     jitted = _jit(step_fn, donate_argnums)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(framework_frames_skipped())
+        from hloopt.frameworks import imported_by
+
+        stack.enter_context(framework_frames_skipped(imported_by(_code_of(original))))
         if override is not _NO_OVERRIDE:
             from hloopt.policy_override import override_policies
 
@@ -296,39 +299,65 @@ def package_folders() -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def framework_frames_skipped() -> Iterator[None]:
-    """While inside, JAX's op metadata skips the framework packages' files as it skips its own
-    when it picks an op's user frame (``source_info_util``'s exclusions, restored on exit)."""
+def framework_frames_skipped(model_packages: Iterable[str] = ()) -> Iterator[None]:
+    """While inside, JAX's op metadata locates ops at model code (restored on exit).
+
+    JAX picks an op's "user" frame by skipping files under its exclusion prefixes: its own, and the
+    standard library's folder, which on an interpreter without a virtualenv contains
+    ``site-packages`` (every installed package is then skipped, a model library's layers too),
+    while in a virtualenv nothing installed is (framework plumbing such as ``haliax/wrap.py`` or
+    ``equinox/_jit.py`` then locates ops). So: the framework packages' folders
+    (:data:`hloopt.frameworks.FRAMEWORK_PACKAGES`) and hloopt's own are excluded, and the folders
+    of ``model_packages`` (installed libraries the step's code uses, e.g. ``transformers``) are
+    included, which JAX ranks above its exclusions."""
     import importlib.util
 
     from jax._src import source_info_util as siu
 
     from hloopt.frameworks import FRAMEWORK_PACKAGES
 
-    paths = getattr(siu, "_exclude_paths", None)
-    # hloopt's own frames (lower() calling the step) are no user's either
-    added: list[str] = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
-    if isinstance(paths, list):
-        for name in FRAMEWORK_PACKAGES:
+    def folders(names: Iterable[str]) -> list[str]:
+        out = []
+        for name in names:
             try:
                 spec = importlib.util.find_spec(name)
             except (ImportError, ValueError):
                 spec = None
             for loc in (spec.submodule_search_locations or []) if spec is not None else []:
-                added.append(os.path.abspath(loc).rstrip(os.sep) + os.sep)
-        paths.extend(added)
-        _clear_frame_caches(siu)
+                out.append(os.path.abspath(loc).rstrip(os.sep) + os.sep)
+        return out
+
+    excludes = getattr(siu, "_exclude_paths", None)
+    includes = getattr(siu, "_include_paths", None)
+    # hloopt's own frames (lower() calling the step) are no user's either
+    excluded = [os.path.dirname(os.path.abspath(__file__)) + os.sep, *folders(FRAMEWORK_PACKAGES)]
+    installed = package_folders()
+    included = [f for f in folders(set(model_packages) - set(FRAMEWORK_PACKAGES) - _NOT_MODELS)
+                if f.startswith(installed)]
+    if not isinstance(excludes, list):
+        excluded = []
+    if not isinstance(includes, list):
+        included = []
+    for lst, add in ((excludes, excluded), (includes, included)):
+        if add:
+            lst.extend(add)  # type: ignore[union-attr]
+    _clear_frame_caches(siu)
     try:
         yield
     finally:
-        if isinstance(paths, list):
-            for p in added:
-                paths.remove(p)
-            _clear_frame_caches(siu)
+        for lst, add in ((excludes, excluded), (includes, included)):
+            for p in add:
+                lst.remove(p)  # type: ignore[union-attr]
+        _clear_frame_caches(siu)
+
+
+#: packages a step's code uses that hold no model code (never "included" as model frames)
+_NOT_MODELS = frozenset({"jax", "jaxlib", "numpy", "ml_dtypes", "hloopt", "builtins", "typing", "functools",
+                         "collections", "dataclasses", "math", "os", "sys"})
 
 
 def _clear_frame_caches(siu: Any) -> None:
-    for name in ("_exclude_path_regex", "is_user_filename"):
+    for name in ("_exclude_path_regex", "_include_path_regex", "is_user_filename"):
         fn = getattr(siu, name, None)
         if fn is not None and hasattr(fn, "cache_clear"):
             fn.cache_clear()
@@ -337,6 +366,21 @@ def _clear_frame_caches(siu: Any) -> None:
 def _first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     return lines[0] if lines else type(err).__name__
+
+
+def _code_of(step_fn: Any) -> Any:
+    """The function whose module says which libraries the step uses: a Target's factory, else the
+    step (through ``functools.partial`` and ``jax.jit`` wrappers)."""
+    from hloopt.targets import Target
+
+    if isinstance(step_fn, Target):
+        return step_fn.factory
+    for _ in range(8):
+        inner = getattr(step_fn, "func", None) or getattr(step_fn, "__wrapped__", None)
+        if inner is None:
+            break
+        step_fn = inner
+    return step_fn
 
 
 def _label(step_fn: Any) -> str:

@@ -26,32 +26,69 @@ def test_installed_files_are_written_by_package_path(monkeypatch) -> None:
     assert relative_paths(f'"{os.getcwd()}/model.py"') == '"model.py"'
 
 
-def test_a_flax_model_is_located_at_its_own_lines_not_flax() -> None:
-    nn = pytest.importorskip("flax.linen")
+def test_an_equinox_model_is_located_at_its_own_lines_not_equinox() -> None:
+    eqx = pytest.importorskip("equinox")
 
-    class Model(nn.Module):
-        @nn.compact
+    class Model(eqx.Module):
+        layer: eqx.nn.Linear
+
         def __call__(self, x):
-            return jnp.tanh(nn.Dense(32)(x))  # the model's line
+            return jnp.tanh(self.layer(x))  # the model's line
 
-    model = Model()
-    x = jax.ShapeDtypeStruct((8, 32), jnp.float32)
-    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    model = Model(eqx.nn.Linear(32, 32, key=jax.random.key(0)))
+    x = jnp.ones((32,))
 
-    def step(p, x):
-        return jax.grad(lambda p: jnp.sum(model.apply(p, x)))(p)
+    def step(m, x):
+        return eqx.filter_grad(lambda m: jnp.sum(m(x)))(m)
 
-    text = lower(step, params, x, platform="tpu").hlo_text
+    text = lower(eqx.filter_jit(step), model, x, platform="tpu").hlo_text
     files = set(re.findall(r'source_file="([^"]+)"', text))
     files |= set(re.findall(r'^\d+ "([^"]+)"$', text, re.MULTILINE))  # the stack-frame table
     here = os.path.relpath(__file__) if __file__.startswith(os.getcwd()) else __file__
     assert here in files
-    assert not any(f.startswith(("flax/", "jax/")) or "site-packages" in f or "hloopt/lowering.py" in f
+    assert not any(f.startswith(("equinox/", "jax/")) or "site-packages" in f or "hloopt/lowering.py" in f
                    for f in files), files
-    # the dots the Dense layer computes (forward and backward) are attributed to the line above
+    # the matmuls the Linear layer computes (forward and backward) are attributed to the line above
     from hloopt.hlo.parser import parse_module
 
     module = parse_module(text)
     line = next(i for i, s in enumerate(open(__file__).read().splitlines(), 1) if "# the model's line" in s)
     dots = [i for c in module.computations.values() for i in c.instructions if i.opcode == "dot"]
-    assert len(dots) == 2 and {module.source_of(d) for d in dots} == {(here, line)}
+    assert dots and {module.source_of(d) for d in dots} == {(here, line)}
+
+
+def test_a_library_models_ops_are_located_in_the_library_by_package_path(tmp_path, monkeypatch) -> None:
+    """An installed model library (here a small one written to a site-packages folder) locates
+    its ops at its own layer code, written by package path, even where JAX's own rule skips
+    everything installed (an interpreter whose site-packages lies inside the standard library's
+    folder, as without a virtualenv)."""
+    from jax._src import source_info_util as siu
+
+    site = tmp_path / "site-packages"
+    (site / "modellib").mkdir(parents=True)
+    (site / "modellib" / "__init__.py").write_text("")
+    (site / "modellib" / "layers.py").write_text(
+        "import jax.numpy as jnp\n\n\ndef layer(x, w):\n    return jnp.tanh(x @ w)  # library line 5\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(siu, "_exclude_paths", [*siu._exclude_paths, str(site) + os.sep])
+    siu._exclude_path_regex.cache_clear()
+    siu.is_user_filename.cache_clear()
+    try:
+        import modellib.layers as layers
+
+        def step(x, w):
+            return jax.grad(lambda w: jnp.sum(layers.layer(x, w)))(w)
+
+        step.__globals__["layers"] = layers  # the step's module uses the library
+        s = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+        text = lower(step, s, s, platform="tpu").hlo_text
+    finally:
+        siu._exclude_path_regex.cache_clear()
+        siu.is_user_filename.cache_clear()
+        sys.modules.pop("modellib.layers", None)
+        sys.modules.pop("modellib", None)
+    from hloopt.hlo.parser import parse_module
+
+    module = parse_module(text)
+    dots = [i for c in module.computations.values() for i in c.instructions if i.opcode == "dot"]
+    assert dots and {module.source_of(d) for d in dots} == {("modellib/layers.py", 5)}
