@@ -32,6 +32,7 @@ def _copy(inst: Instruction, name: str) -> Instruction:
     new._metadata_text = inst._metadata_text
     new._metadata = inst._metadata
     new.span = inst.span
+    new.is_unknown = inst.is_unknown
     return new
 
 

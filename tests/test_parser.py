@@ -193,8 +193,6 @@ def test_expected_found_with_caret() -> None:
      "defined twice"),
     ("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT a = f32[2] add(p, p), foo=1\n}\n",
      4, "unexpected attribute 'foo'"),
-    ("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT a = f32[2] frobnicate(p)\n}\n", 4,
-     "unknown opcode"),
     ("HloModule m\nENTRY e {\n  p = f32[2]{1} parameter(0)\n}\n", 3, "not a permutation"),
     # a bad operand shape in long form is reported in the file, not in a "<shape>" sub-parse
     ("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT a = f32[2] add(f32[-1] p, f32[2] p)\n}\n",

@@ -406,7 +406,8 @@ class _Parser:
         self.link(mod)
         from hloopt.hlo.checks import check_module
 
-        check_module(mod, self._fail, header_fail=self._header_fail)
+        for inst in check_module(mod, self._fail, header_fail=self._header_fail):
+            inst.is_unknown = True
         return mod
 
     def _fail(self, inst: Instruction | None, message: str, *, needle: str | None = None,
