@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fixtures.corpus import corpus_dir  # noqa: E402
 from hloopt.hlo.parser import parse_module  # noqa: E402
 
-CORPUS = Path(os.environ.get("HLOOPT_CORPUS", "/work/shared/hlo-corpus"))
+CORPUS = corpus_dir("hlo-corpus")
 
 
 def generate_chain(n: int, *, long_form: bool) -> str:

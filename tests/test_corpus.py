@@ -1,28 +1,26 @@
 """The XLA corpus: every module XLA's parser accepts we read and print back to a fixed point;
 every module it rejects we reject with a one-line UserError at FILE:LINE:COL (never a crash).
 
-Truth is XLA's own verdict: /work/shared/hlo-corpus holds the 612 files jaxlib's
-``hlo_module_from_text`` accepts, /work/shared/hlo-corpus-invalid the 82 it rejects, each with
-XLA's message in ``.why``.
+Truth is XLA's own verdict: ``shared/hlo-corpus`` beside the checkout holds the 612 files jaxlib's
+``hlo_module_from_text`` accepts, ``shared/hlo-corpus-invalid`` the 82 it rejects, each with XLA's
+message in ``.why`` (where: :func:`fixtures.corpus.corpus_dir`). A missing corpus fails
+:func:`test_corpus_present` instead of skipping the hundreds of tests below.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
+from fixtures.corpus import corpus_dir
 from hloopt.errors import HloParseError, UserError
 from hloopt.hlo.parser import parse_module, parse_modules
 from hloopt.hlo.printer import print_module
 
-VALID = Path(os.environ.get("HLOOPT_CORPUS", "/work/shared/hlo-corpus"))
-INVALID = Path(os.environ.get("HLOOPT_CORPUS_INVALID", "/work/shared/hlo-corpus-invalid"))
-
-if not VALID.is_dir() or not INVALID.is_dir():  # pragma: no cover - the corpus is shared data
-    pytest.skip("HLO corpus not present", allow_module_level=True)
+VALID = corpus_dir("hlo-corpus")
+INVALID = corpus_dir("hlo-corpus-invalid")
 
 VALID_FILES = sorted(VALID.rglob("*.hlo"))
 INVALID_FILES = sorted(INVALID.rglob("*.hlo"))
@@ -30,6 +28,12 @@ INVALID_FILES = sorted(INVALID.rglob("*.hlo"))
 
 def _id(p: Path) -> str:
     return p.name
+
+
+def test_corpus_present() -> None:
+    for d in (VALID, INVALID):
+        assert d.is_dir(), (f"HLO corpus not found at {d}: put it in shared/ beside the checkout "
+                            "or set HLOOPT_CORPUS / HLOOPT_CORPUS_INVALID")
 
 
 def test_corpus_sizes() -> None:
