@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'file':44s} {'MB':>7s} {'instrs':>8s} {'ours s':>8s} {'XLA s':>8s} {'ratio':>6s}")
     tot_ours = tot_xla = 0.0
     for name, text, repeat in inputs:
-        ours_s, mod = _best(lambda t: parse_module(t, filename=name), text, repeat)
+        ours_s, mod = _best(lambda t, name=name: parse_module(t, filename=name), text, repeat)
         n_inst = mod.num_instructions  # type: ignore[attr-defined]
         del mod
         xla_s = None

@@ -394,6 +394,14 @@ class Instruction:
     def tuple_index(self) -> int:
         return int(self.attrs["index"]) if "index" in self.attrs else -1
 
+    def callee(self, *roles: str) -> "Computation | None":
+        """The first computation called in the first of ``roles`` it has (``"body"``...), or None."""
+        for role in roles:
+            comps = self.called.get(role)
+            if comps:
+                return comps[0]
+        return None
+
     @property
     def called_computations(self) -> list["Computation"]:
         return [c for comps in self.called.values() for c in comps]

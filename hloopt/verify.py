@@ -156,7 +156,7 @@ def _shape_text(shape: Any) -> str:
 
 def _trip_count(while_inst: Any) -> int | None:
     """N for a loop whose condition is ``counter < N`` with the counter starting at a constant."""
-    cond = (while_inst.called.get("condition") or [None])[0]
+    cond = while_inst.callee("condition")
     if cond is None or cond.root is None:
         return None
     root = cond.root
@@ -270,7 +270,7 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
     defined = checkpoint_names(t, whole_policy)
     modeled, warnings = _second_opinion(whole_text, plan)
 
-    remaining = Counter()
+    remaining: Counter[str] = Counter()
     for a in whole:
         remaining[a.shape] += a.count
     checks: list[DecisionCheck] = []

@@ -299,12 +299,15 @@ def trip_count(loop: Instruction) -> int | None:
     if cond is None or body is None or cond.root is None or not cond.parameters:
         return None
     cparam = cond.parameters[0]
-    root, args = cond.root, {}
+    root = cond.root
+    args: dict[Instruction, Instruction] = {}
     if root.opcode == "fusion":
         fc = root.called["calls"][0]
         args = {p: root.operands[p.parameter_number] for p in fc.parameters}
+        if fc.root is None:
+            return None
         root = fc.root
-    if root is None or root.opcode != "compare":
+    if root.opcode != "compare":
         return None
     direction = root.attrs.get("direction", "")
     a, b = (_resolve(o, args) for o in root.operands)
@@ -372,6 +375,7 @@ class CostAnalysis(Analysis[CostResult]):
     def run(self, module: Module, am: AnalysisManager | None = None) -> CostResult:
         v = _Visitor(self)
         entry = module.entry
+        assert entry is not None, "a parsed module has an entry computation"
         full, xla = v.computation(entry)
         return CostResult(per_instruction=dict(v.records), totals=full, totals_xla=xla,
                           device=self.profile.name if self.profile else "", trip_counts=dict(v.trips))

@@ -105,7 +105,7 @@ def test_error_line_agrees_with_xla(stem: str) -> None:
     assert m is not None
     with pytest.raises(UserError) as info:
         parse_module(path.read_text(), filename=str(path))
-    assert getattr(info.value, "line") == int(m.group(1)), (str(info.value), why)
+    assert info.value.line == int(m.group(1)), (str(info.value), why)
 
 
 @pytest.mark.parametrize("stem,xla_phrase", [

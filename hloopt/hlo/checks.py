@@ -23,7 +23,8 @@ that the parser flags it (``Instruction.is_unknown``) and the analyses treat it 
 shape. XLA rejects names outside *its* set, but no module in XLA's own rejected corpus
 (``hlo-corpus-invalid``) is rejected for its opcode name: its one unknown name (``le`` in
 ``hlo_parser_test__177``) sits after a scalar layout ``{}`` that both parsers reject first.
-``cholesky`` and ``triangular-solve`` take proto-message attributes and are not checked. ``device_ids`` on collectives is accepted
+``cholesky`` and ``triangular-solve`` take proto-message attributes and are not checked. ``device_ids`` on
+collectives is accepted
 (newer XLA prints mesh replica groups that way; our zoo snapshots hold it).
 """
 
@@ -33,7 +34,7 @@ import math
 import re
 from typing import Callable, NoReturn, Protocol
 
-from hloopt.ir import Computation, Instruction, Module, Shape
+from hloopt.ir import Instruction, Module
 
 #: Attributes every instruction may carry.
 COMMON_ATTRS = frozenset({
@@ -255,8 +256,8 @@ def _check_instruction(inst: Instruction, fail: Fail, async_callers: dict[str, I
         if not attrs or (attrs.keys() <= _ALLOWED_ALL[op] and "result_accuracy" not in attrs):
             return True
     form = None
-    allowed = OPCODE_ATTRS.get(op, False)
-    if allowed is False:
+    allowed: frozenset[str] | None
+    if op not in OPCODE_ATTRS:
         form = async_form(op)
         if form is None:
             return False
@@ -265,8 +266,10 @@ def _check_instruction(inst: Instruction, fail: Fail, async_callers: dict[str, I
             allowed = (OPCODE_ATTRS[base] or frozenset()) | _ASYNC_ATTRS_START
         else:
             allowed = _ASYNC_ATTRS_OTHER
-    elif op.startswith("async-"):
-        form = (op[6:], "")
+    else:
+        allowed = OPCODE_ATTRS[op]
+        if op.startswith("async-"):
+            form = (op[6:], "")
     attrs = inst.attrs
     arity = OPCODE_ARITY.get(op)
     if arity is not None and len(inst.operands) != arity:
