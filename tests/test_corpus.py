@@ -68,6 +68,20 @@ def test_invalid_rejected_cleanly(path: Path) -> None:
     assert err.detail is not None and err.detail.splitlines()[-1].strip() == "^"
 
 
+def test_no_module_is_rejected_by_xla_for_its_opcode_name() -> None:
+    """hloopt reads opcodes it does not know (hloopt.hlo.checks); that rejects none of these,
+    because XLA rejects none of them for the name (its message would say ``Unknown opcode``).
+    ``hlo_parser_test__177`` holds the one unknown name, ``le``, after a scalar layout ``{}``
+    that XLA and hloopt both reject first, at the same place."""
+    whys = {p: Path(f"{p}.why").read_text() for p in INVALID_FILES}
+    assert len(whys) == 82
+    assert not [p.name for p, why in whys.items() if "Unknown opcode" in why]
+    wrong_opcode = INVALID / "xla-tests" / "hlo_parser_test__177.hlo"
+    assert " le(" in wrong_opcode.read_text() and "was parsing 4:13: error: expects opcode" in whys[wrong_opcode]
+    with pytest.raises(UserError, match=r"hlo_parser_test__177\.hlo:4:13: expects opcode"):
+        parse_module(wrong_opcode.read_text(), filename=str(wrong_opcode))
+
+
 MULTI_MODULE = sorted(p for p in INVALID_FILES if "\n// -----" in p.read_text())
 
 
