@@ -219,9 +219,9 @@ def test_malformed(text: str, line: int, phrase: str) -> None:
      "HloModule m\nENTRY e {\n  ROOT c = f32[1] constant(" + "{" * 100_000 + "1" + "}" * 100_000 + ")\n}\n"),
 ])
 def test_deep_nesting_is_a_clean_error(what: str, text: str) -> None:
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: other processes on a shared machine do not count
     e = _err(text)
-    assert time.perf_counter() - t0 < 5.0, what
+    assert time.process_time() - t0 < 5.0, what
     assert e.line == 3
 
 
