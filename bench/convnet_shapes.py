@@ -35,7 +35,8 @@ def main(argv: list[str]) -> int:
     from fixtures.zoo._common import offload_policy
 
     policy = offload_policy(OFFLOAD_NAMES["convnet"]) if args.offload else None
-    print(f"{'widths':>10} {'image':>5} {'batch':>5} {'predicted B':>13} {'libtpu B':>13} {'error':>8} {'0b1f convs':>10}")
+    print(f"{'widths':>10} {'image':>5} {'batch':>5} {'predicted B':>13} {'libtpu B':>13} {'error':>8} "
+          f"{'0b1f convs':>10}")
     errors: dict[bool, list[float]] = {True: [], False: []}
     with libtpu_lock():
         t0 = time.perf_counter()

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import resource
 import subprocess
 import sys

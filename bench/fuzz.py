@@ -15,7 +15,6 @@ timeout. ``tests/test_fuzz.py`` uses the same mutators under hypothesis.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import re
 import signal
@@ -28,11 +27,12 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fixtures.corpus import corpus_dir  # noqa: E402
 from hloopt.errors import UserError  # noqa: E402
 from hloopt.hlo.parser import parse_module  # noqa: E402
 from hloopt.hlo.printer import print_module  # noqa: E402
 
-CORPUS = Path(os.environ.get("HLOOPT_CORPUS", "/work/shared/hlo-corpus"))
+CORPUS = corpus_dir("hlo-corpus")
 TIME_BOUND_S = 2.0
 
 _NAME_REF = re.compile(r"(?<=[(, ])%?([A-Za-z_][\w.\-]*)(?=[,)])")

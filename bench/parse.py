@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,9 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from fixtures.corpus import corpus_dir  # noqa: E402
 from hloopt.hlo.parser import parse_module  # noqa: E402
 
-CORPUS = Path(os.environ.get("HLOOPT_CORPUS", "/work/shared/hlo-corpus"))
+CORPUS = corpus_dir("hlo-corpus")
 
 
 def generate_chain(n: int, *, long_form: bool) -> str:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'file':44s} {'MB':>7s} {'instrs':>8s} {'ours s':>8s} {'XLA s':>8s} {'ratio':>6s}")
     tot_ours = tot_xla = 0.0
     for name, text, repeat in inputs:
-        ours_s, mod = _best(lambda t: parse_module(t, filename=name), text, repeat)
+        ours_s, mod = _best(lambda t, name=name: parse_module(t, filename=name), text, repeat)
         n_inst = mod.num_instructions  # type: ignore[attr-defined]
         del mod
         xla_s = None

@@ -48,7 +48,8 @@ def main() -> None:
             try:
                 r = solve_milp(p, budget_bytes=budget, time_limit_s=args.time_limit)
                 mt = time.perf_counter() - t
-                row += f" {mt:>8.2f} {100 * (r.sim.step_time_s / base.step_time_s - 1):>7.2f} {r.status} gap={r.mip_gap:.3g} src={r.source}"
+                slower_pct = 100 * (r.sim.step_time_s / base.step_time_s - 1)
+                row += f" {mt:>8.2f} {slower_pct:>7.2f} {r.status} gap={r.mip_gap:.3g} src={r.source}"
             except RuntimeError as e:
                 row += f" {time.perf_counter() - t:>8.2f} {'infeas':>7} {e}"
         else:

@@ -57,8 +57,8 @@ def main(argv: list[str]) -> int:
             err = predicted / real - 1
             errors[offload].append(err)
             ov = ",".join(f"{k}={v}" for k, v in overrides.items()) or "-"
-            print(f"{model:>8} {'offload' if offload else '-':>7} {ov.replace(' ', ''):>36} {predicted:>13,} {real:>13,} "
-                  f"{err:>+8.1%}", flush=True)
+            print(f"{model:>8} {'offload' if offload else '-':>7} {ov.replace(' ', ''):>36} {predicted:>13,} "
+                  f"{real:>13,} {err:>+8.1%}", flush=True)
     for offload, errs in errors.items():
         if errs:
             print(f"{'offload policy' if offload else 'no policy'}: error from {min(errs):+.1%} to {max(errs):+.1%} "

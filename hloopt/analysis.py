@@ -298,7 +298,8 @@ def _to_host(inst: Instruction) -> None:
     lay = shape.layout
     m2m = lay.minor_to_major if lay is not None else tuple(range(len(shape.dims) - 1, -1, -1))
     tiles = lay.tiles if lay is not None else ()
-    inst.shape = Shape(shape.element_type, shape.dims, shape.dynamic, Layout(m2m, tiles, memory_space=HOST_MEMORY_SPACE))
+    inst.shape = Shape(shape.element_type, shape.dims, shape.dynamic,
+                       Layout(m2m, tiles, memory_space=HOST_MEMORY_SPACE))
 
 
 __all__ = ["MemoryReport", "analyze", "prediction_notes", "profile_module", "settings_for"]

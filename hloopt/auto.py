@@ -72,7 +72,10 @@ def auto_offload(target: Any, *args: Any, device: Any = "tpu-v5e", budget: str |
 
     tgt, build = _as_target(target, args, size=size, factory_kwargs=factory_kwargs)
     profile = _profile(device)
-    spec = str(budget) if isinstance(budget, int) and not isinstance(budget, bool) else budget
+    if isinstance(budget, bool):
+        raise UserError(f"auto_offload: budget={budget!r}: expected a size (\"12GiB\", or bytes as an int) "
+                        "or a share of the peak (\"75%\")")
+    spec = str(budget) if isinstance(budget, int) else budget
     outcome = pipeline.plan(tgt, profile=profile, budget=spec, max_slowdown=max_slowdown, solver=solver,
                             time_limit_s=time_limit_s, compile=compile)
     plan = outcome.plan
@@ -141,6 +144,7 @@ def _step_target(step_fn: Callable[..., Any], args: tuple[Any, ...]) -> tuple[An
     from hloopt.targets import _call_factory
 
     name = _callable_name(step_fn)
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(step_fn).parameters
     except (TypeError, ValueError):

@@ -119,8 +119,9 @@ def measure_link(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
         to_device(host)  # warm-up both paths
         it = iter(on_device[1:])
         # A fresh device array per repeat: numpy caches the host copy of an array it has seen.
-        samples.append(("d2h", count * 4, _median_time(lambda: to_host(next(it)), repeats)))
-        samples.append(("h2d", count * 4, _median_time(lambda: to_device(host), repeats)))
+        # (each lambda is called within its iteration: B023's late binding cannot bite)
+        samples.append(("d2h", count * 4, _median_time(lambda: to_host(next(it)), repeats)))  # noqa: B023
+        samples.append(("h2d", count * 4, _median_time(lambda: to_device(host), repeats)))  # noqa: B023
         del on_device
 
     d2h = fit_latency_bandwidth([s[1] for s in samples if s[0] == "d2h"], [s[2] for s in samples if s[0] == "d2h"])

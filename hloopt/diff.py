@@ -7,14 +7,16 @@ decision per residual. :func:`diff_sides` compares two Sides.
 
 Buffers of two different compiles have different instruction names, so a buffer's identity is
 its ``op_name`` metadata (the JAX operation that made it; empty when there is none, since
-instruction names are not stable) and its logical shape (element type and dims, no layout). Matching is a multiset match on that
+instruction names are not stable) and its logical shape (element type and dims, no layout). Matching is a
+multiset match on that
 identity; unmatched buffers with the same op_name but another shape are *resized*, the rest
 *added* / *removed*. A host buffer of B *moved to host* when A has a device buffer of the same
 logical shape (one-to-one, same op_name preferred).
 
 The memory analysis of an HLO side is injected (``analyzer=``): the default is the memory model
 (:func:`memory_side`, what ``hloopt analyze`` computes); :func:`approx_side` is the entry-level
-approximation of :mod:`hloopt.report.approx`. Invariant: ``peak_delta_bytes == b.peak_bytes - a.peak_bytes`` and category deltas sum, over
+approximation of :mod:`hloopt.report.approx`. Invariant: ``peak_delta_bytes == b.peak_bytes - a.peak_bytes``
+and category deltas sum, over
 the union of categories, to the peak delta when both sides report categories.
 """
 
@@ -31,7 +33,8 @@ from hloopt.errors import UserError
 from hloopt.ir import Module
 from hloopt.report import LiveBuffer, mesh_of
 
-__all__ = ["Analyzer", "BufferChange", "DecisionChange", "MemoryDiff", "Side", "approx_side", "memory_side", "diff_sides",
+__all__ = ["Analyzer", "BufferChange", "DecisionChange", "MemoryDiff", "Side", "approx_side", "memory_side",
+           "diff_sides",
            "load_side", "diff_paths"]
 
 
@@ -174,7 +177,8 @@ def memory_side(module: Module, label: str) -> Side:
         return LiveBuffer(name=info.name, shape=info.shape, bytes=info.bytes, category=info.category,
                           op_name=info.op_name, source=info.source)
 
-    host, device = [], []
+    host: list[LiveBuffer] = []
+    device: list[LiveBuffer] = []
     for r in lr.ranges():
         b = r.buffer
         if b.is_tuple_table:

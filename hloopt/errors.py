@@ -44,7 +44,14 @@ class HloParseError(UserError):
 
 
 class HloVerifyError(UserError):
-    """A module that parses but is not well formed (undefined operand, cycle, bad tuple index...)."""
+    """A module that parses but is not well formed (undefined operand, cycle, bad tuple index...).
+
+    ``filename``/``line``/``col`` are set where the verifier knows the offending text (0 when not).
+    """
+
+    filename: str = ""
+    line: int = 0
+    col: int = 0
 
 
 class InfeasibleBudget(UserError):

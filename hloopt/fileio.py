@@ -7,7 +7,8 @@ old file as it was and no temporary behind.
 
 The ``--force`` rule: an existing file is replaced only when it is empty or was written by hloopt
 (its first :data:`SNIFF_CHARS` characters hold :data:`MARKER`, or it is a JSON object whose
-``schema`` starts with ``hloopt.``: a plan); anything else (the user's own ``policy.py``, a model config) needs ``force=True``.
+``schema`` starts with ``hloopt.``: a plan); anything else (the user's own ``policy.py``, a model config)
+needs ``force=True``.
 Everything hloopt writes therefore carries the marker: emitters put it in a comment.
 """
 

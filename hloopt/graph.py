@@ -139,12 +139,12 @@ def _inlined_name(inst: Instruction) -> str:
     a call's is its callee root's copy, ``<call>.<root>``; an element of a call's root tuple is
     read from the copy of that element."""
     if inst.opcode == "call":
-        callee = (inst.called.get("to_apply") or inst.called.get("calls") or [None])[0]
+        callee = inst.callee("to_apply", "calls")
         if callee is not None and callee.root is not None:
             return f"{inst.name}.{_inlined_name(callee.root)}"
     if inst.opcode == "get-tuple-element" and inst.operands and inst.operands[0].opcode == "call":
         call = inst.operands[0]
-        callee = (call.called.get("to_apply") or call.called.get("calls") or [None])[0]
+        callee = call.callee("to_apply", "calls")
         root = callee.root if callee is not None else None
         k = int(inst.attrs.get("index", -1))
         if root is not None and root.opcode == "tuple" and 0 <= k < len(root.operands):
@@ -191,11 +191,11 @@ def _build(prof: MemoryProfile, settings: dict[str, Any], *, platform: str, resi
             source=f"{_relative(src[0], cwd)}:{src[1]}" if src else None, op_name=inst.metadata.op_name,
             parameter=b.parameter, output=bool(b.output_indices), tuple_table=b.is_tuple_table,
         )
-    for u, v, step in _data_edges(lr, node_of):
-        g.add_edge(u, v, key="data", kind="data", step=step)
+    for src, dst, step in _data_edges(lr, node_of):
+        g.add_edge(src, dst, key="data", kind="data", step=step)
     if interference:
-        for u, v in _interference(lr, nodes):
-            g.add_edge(node_of[u], node_of[v], key="interference", kind="interference")
+        for a, b in _interference(lr, nodes):
+            g.add_edge(node_of[a], node_of[b], key="interference", kind="interference")
     return g
 
 
@@ -249,7 +249,7 @@ def _loop_copies(lr: LiveRanges, loop: Instruction, node_of: dict[int, str], edg
     result that is not is copied in at the body root."""
     at = lr.aliasing.position_buffers
     slots = at.get(loop, ())
-    body = (loop.called.get("body") or [None])[0]
+    body = loop.callee("body")
     sources = [(loop.operands[0], lr.segments.get(loop, (lr.time[loop],))[0])] if loop.operands else []
     if body is not None and body.root is not None and body.root in lr.time:
         sources.append((body.root, lr.time[body.root]))

@@ -310,7 +310,7 @@ class Instruction:
     __slots__ = (
         "name", "opcode", "shape", "operands", "attrs", "called", "is_root", "parent",
         "index", "operand_shapes", "_metadata_text", "_metadata", "literal", "users",
-        "control_predecessors", "span",
+        "control_predecessors", "span", "is_unknown",
     )
 
     def __init__(self, name: str, opcode: str, shape: Shape) -> None:
@@ -339,6 +339,9 @@ class Instruction:
         self.control_predecessors: Sequence[Instruction] = ()
         #: (line, col) of the instruction's name in the source text, 1-based.
         self.span: tuple[int, int] = (0, 0)
+        #: The opcode is one hloopt does not know (XLA's set grows; see hloopt.hlo.checks): the
+        #: analyses see a value of its shape computed from its operands, and nothing more.
+        self.is_unknown = False
 
     def __repr__(self) -> str:
         return f"<Instruction {self.name} = {self.shape} {self.opcode}>"
@@ -390,6 +393,14 @@ class Instruction:
     @property
     def tuple_index(self) -> int:
         return int(self.attrs["index"]) if "index" in self.attrs else -1
+
+    def callee(self, *roles: str) -> "Computation | None":
+        """The first computation called in the first of ``roles`` it has (``"body"``...), or None."""
+        for role in roles:
+            comps = self.called.get(role)
+            if comps:
+                return comps[0]
+        return None
 
     @property
     def called_computations(self) -> list["Computation"]:
@@ -493,6 +504,15 @@ class Module:
     def instructions(self) -> Iterator[Instruction]:
         for c in self.computations.values():
             yield from c.instructions
+
+    @property
+    def unknown_opcodes(self) -> dict[str, int]:
+        """Opcodes hloopt does not know -> how many instructions use each, in text order."""
+        out: dict[str, int] = {}
+        for inst in self.instructions():
+            if inst.is_unknown:
+                out[inst.opcode] = out.get(inst.opcode, 0) + 1
+        return out
 
     def computation(self, name: str) -> Computation:
         return self.computations[name]

@@ -64,12 +64,14 @@ Per-device programs (``partitioned=True``): the pre-optimization text of a shard
 *global* program. What one device runs is the module right after XLA's SPMD partitioner, which
 both the CPU backend and libtpu write when the compile's dump options include
 ``xla_dump_hlo_pass_re=spmd-partitioning``: ``module_NNNN.jit_step.NNNN.spmd-partitioner.
-after_spmd-partitioning.before_<next pass>.txt`` (libtpu: ``...after_tpu-spmd-partitioning...``), per-device shapes, collectives inserted, op
+after_spmd-partitioning.before_<next pass>.txt`` (libtpu: ``...after_tpu-spmd-partitioning...``), per-device
+shapes, collectives inserted, op
 metadata kept, not yet fused or scheduled. A CPU compile on 8 host devices is enough (sharded
 Llama-2-7B: ~10 s, 0.4 GiB RSS); libtpu writes the file before buffer assignment, so it is there
 even when the compile then fails with ``RESOURCE_EXHAUSTED`` (``Lowered.partitioned_text`` is
 then set and ``compile_error`` says why nothing else is; measured: the sharded Llama-2-70B step on
-v5p:2x2x2 fails after ~4 s needing 405.86G of temporaries, and the partitioned module is there). A program on one device runs no SPMD
+v5p:2x2x2 fails after ~4 s needing 405.86G of temporaries, and the partitioned module is there). A program on
+one device runs no SPMD
 partitioner and gets ``partitioned_text=None``: its per-device program is ``hlo_text``.
 """
 

@@ -23,7 +23,6 @@ All of this imports jax lazily; :mod:`hloopt.passes.residuals` itself needs no j
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -89,7 +88,8 @@ class ResidualNames(dict[str, str]):
     a ``jax.checkpoint``'s own input (:attr:`NameSite.of_input` at every site): policies can save
     or offload those, but not saving them makes JAX save the same input, so there is no remat."""
 
-    def __init__(self, names: Mapping[str, str] = (), *, checkpoint_inputs: Iterable[str] = ()) -> None:
+    def __init__(self, names: Mapping[str, str] | Iterable[tuple[str, str]] = (), *,
+                 checkpoint_inputs: Iterable[str] = ()) -> None:
         super().__init__(names)
         self.checkpoint_inputs = frozenset(checkpoint_inputs)
 
@@ -128,7 +128,7 @@ def checkpoint_names(target: Any) -> list[NameSite]:
                 inputs.update(eqn.outvars)
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (list, tuple)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
+                    inner: Any = getattr(sub, "jaxpr", sub)
                     if hasattr(inner, "eqns"):
                         # A checkpoint's body starts from its own inputs; inside any other body
                         # nothing is known to be a checkpoint's input.
@@ -364,5 +364,6 @@ def jax_bytes_by_name(saved: Iterable[tuple[Any, str]]) -> dict[str, int]:
     return dict(out)
 
 
-__all__ = ["NameProbe", "NameSite", "NamedValue", "ResidualNames", "input_names", "TargetResiduals", "residuals_of", "checkpoint_names", "jax_bytes_by_name", "jax_saved_residuals",
+__all__ = ["NameProbe", "NameSite", "NamedValue", "ResidualNames", "input_names", "TargetResiduals", "residuals_of",
+           "checkpoint_names", "jax_bytes_by_name", "jax_saved_residuals",
            "loss_function", "lower_module", "name_residuals", "offload_all_policy"]

@@ -42,8 +42,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from hloopt.devices import DeviceProfile
 from hloopt.errors import InfeasibleBudget, UserError
 from hloopt.ir import Instruction, Module, gc_paused
-from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, SimResult, Step
 from hloopt.passes.residuals import under_checkpoint
+from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, SimResult, Step
+
 _BARRIERS = ("opt-barrier", "optimization-barrier")
 
 #: op_name fragments that say a value was computed inside ``jax.checkpoint`` (where a policy
@@ -122,7 +123,7 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     residuals = find_residuals(module)
     if names:
         residuals = residuals.with_names(dict(names))
-    inputs = getattr(names, "checkpoint_inputs", frozenset())
+    inputs: frozenset[str] = getattr(names, "checkpoint_inputs", frozenset())
     floor = 0
     if pre_opt and profile.kind == "tpu" and profile.on_chip_heap_bytes:
         floor = _on_chip_floor(module, profile.on_chip_heap_bytes, max(timeline, default=0),
@@ -391,7 +392,7 @@ def _policy_value(inst: Instruction) -> Instruction:
                 and inst.tuple_index < len(inst.operands[0].operands):
             inst = inst.operands[0].operands[inst.tuple_index]  # a call's root, after inlining
         elif inst.opcode == "get-tuple-element" and inst.operands and inst.operands[0].opcode == "call":
-            callee = (inst.operands[0].called.get("to_apply") or inst.operands[0].called.get("calls") or [None])[0]
+            callee = inst.operands[0].callee("to_apply", "calls")
             root = callee.root if callee is not None else None
             if root is None or root.opcode != "tuple" or inst.tuple_index >= len(root.operands):
                 break
@@ -607,6 +608,7 @@ def lower_for_plan(target: Any, profile: DeviceProfile, *, platform: str | None 
         low = lower(target, platform=plat, policy=jax.checkpoint_policies.everything_saveable,
                     compile=compile)
     text = low.compiled_text if compile else low.hlo_text
+    assert text is not None, "lower(compile=...) returns the compiled text"
     source = f"compiled:{compile}" if compile else f"lowered:{plat}"
     return parse_module(text, filename=f"<{target.name} {source}>"), source
 
@@ -620,6 +622,7 @@ def resolve_budget(spec: str | None, baseline_peak_bytes: int) -> int | None:
     b = parse_budget(spec)
     if b.fraction is not None:
         return int(b.fraction * baseline_peak_bytes)
+    assert b.bytes is not None, "a budget is a fraction or a size"
     return int(b.bytes)
 
 
@@ -728,6 +731,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     else:
         from hloopt.hlo.parser import parse_module
 
+        assert tgt.text is not None, "an HLO target is read when resolved"
         module = parse_module(tgt.text, filename=str(tgt.path))
         source = "hlo"
     with progress("analyzing memory, residuals and costs"):
@@ -890,9 +894,7 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     """``{instruction name: checkpoint_name}`` for the residuals of ``module`` (see hloopt.naming),
     as a :class:`hloopt.naming.ResidualNames` that also knows the checkpoints' input names."""
     from hloopt.naming import ResidualNames, input_names, name_residuals
-    from hloopt.passes.residuals import find_residuals
-
-    from hloopt.passes.residuals import LIBRARY_PATHS
+    from hloopt.passes.residuals import LIBRARY_PATHS, find_residuals
 
     plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
     probe = name_residuals(tgt, baseline=find_residuals(module), platform=plat)

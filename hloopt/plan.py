@@ -25,6 +25,7 @@ Unknown extra fields are ignored, so version 1 can grow optional fields.
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import json
 import math
@@ -360,7 +361,7 @@ class _Reader:
             raise self.error(f"expected a string, got {_type_name(v)}", self._at(key))
         return v
 
-    def int(self, key: str, *, nullable: bool = False, minimum: int | None = 0) -> Any:
+    def int(self, key: builtins.str, *, nullable: bool = False, minimum: int | None = 0) -> Any:
         v = self._get(key, optional=False)
         if v is None and nullable:
             return None
@@ -370,7 +371,7 @@ class _Reader:
             raise self.error(f"expected an integer >= {minimum}, got {v}", self._at(key))
         return v
 
-    def num(self, key: str, *, nullable: bool = False) -> Any:
+    def num(self, key: builtins.str, *, nullable: bool = False) -> Any:
         v = self._get(key, optional=False)
         if v is None and nullable:
             return None
@@ -380,13 +381,13 @@ class _Reader:
             raise self.error(f"expected a finite number >= 0, got {v}", self._at(key))
         return float(v)
 
-    def obj_(self, key: str, *, nullable: bool = False) -> Any:
+    def obj_(self, key: builtins.str, *, nullable: bool = False) -> Any:
         v = self._get(key, optional=False)
         if v is None and nullable:
             return None
         return _Reader(self.origin, self._at(key), v)
 
-    def list(self, key: str, *, nullable: bool = False, optional: bool = False) -> Any:
+    def list(self, key: builtins.str, *, nullable: bool = False, optional: bool = False) -> Any:
         v = self._get(key, optional=optional)
         if v is None and (nullable or (optional and key not in self.obj)):
             return None
@@ -394,7 +395,7 @@ class _Reader:
             raise self.error(f"expected a list, got {_type_name(v)}", self._at(key))
         return v
 
-    def one_of(self, key: str, choices: Sequence[str]) -> str:
+    def one_of(self, key: builtins.str, choices: Sequence[builtins.str]) -> builtins.str:
         v = self.str(key)
         if v not in choices:
             raise self.error(f"expected one of {', '.join(choices)}, got {v!r}", self._at(key))

@@ -160,9 +160,9 @@ def _install() -> None:
         assert old_init is not None
         old_init(self, jaxpr, policy, *rest, **kw)
 
-    remat_p.bind = bind
+    remat_p.bind = bind  # type: ignore[method-assign]
     if remat_traced is not None:
-        remat_traced.__init__ = init
+        remat_traced.__init__ = init  # type: ignore[method-assign]
 
 
 def _uninstall() -> None:
@@ -171,9 +171,9 @@ def _uninstall() -> None:
 
     assert _originals is not None
     old_bind, old_init = _originals
-    ad_checkpoint.remat_p.bind = old_bind
+    ad_checkpoint.remat_p.bind = old_bind  # type: ignore[method-assign]
     if old_init is not None:
-        ad_checkpoint.RematTraced.__init__ = old_init
+        ad_checkpoint.RematTraced.__init__ = old_init  # type: ignore[method-assign]
     _originals = None
 
 

@@ -165,8 +165,7 @@ def plan_per_device(target: Any, *, profile: DeviceProfile, budget: str | None =
 
     ``pd`` reuses a :func:`per_device` result; ``timings`` (a dict) receives seconds per stage.
     """
-    from hloopt.pipeline import (PlanOutcome, analyze_module, build_problem, make_plan, resolve_mode,
-                                 run_anchors)
+    from hloopt.pipeline import PlanOutcome, analyze_module, build_problem, make_plan, resolve_mode, run_anchors
     from hloopt.problem import Decisions
     from hloopt.search import search
     from hloopt.simulator import simulate

@@ -233,7 +233,7 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
     defined = checkpoint_names(t)
     modeled, warnings = _second_opinion(whole_text, plan)
 
-    remaining = Counter()
+    remaining: Counter[str] = Counter()
     for a in whole:
         remaining[a.shape] += a.count
     checks: list[DecisionCheck] = []

@@ -1,4 +1,4 @@
-"""Analyses over the HLO IR, one per module, and a lazy registry of them by kebab-case name.
+"""Analyses over the HLO IR, one per module, and the manager that runs and caches them.
 
 An *analysis* builds a result object that others only read (XLA's ``HloLiveRange::Run``); it is a
 small frozen dataclass whose fields are its options, with ``name`` (kebab-case) as a ClassVar.
@@ -7,29 +7,16 @@ Analyses ask for the results they depend on through an :class:`AnalysisManager`,
 
     am = AnalysisManager(module)
     ranges = am.get(Liveness(schedule="module"))      # runs BufferAliasing once, through am
-
-The registry maps names to ``module:Class`` strings so that listing passes imports nothing heavy.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from hloopt.ir import Module
 
 R = TypeVar("R")
-
-#: kebab-case name -> "module:Class" inside this package
-PASSES: dict[str, str] = {
-    "buffer-aliasing": "aliasing:BufferAliasing",
-    "schedule": "schedule:Schedule",
-    "liveness": "liveness:Liveness",
-    "peak-memory": "memory:PeakMemory",
-    "residuals": "residuals:FindResiduals",
-    "cost": "cost:CostAnalysis",
-}
 
 
 @dataclass(frozen=True)
@@ -55,17 +42,4 @@ class AnalysisManager:
         return self._cache[analysis]  # type: ignore[no-any-return]
 
 
-def get_pass(name: str) -> type[Analysis[Any]]:
-    """The analysis class registered under ``name`` (imported on first use)."""
-    try:
-        spec = PASSES[name]
-    except KeyError:
-        from hloopt.errors import UserError
-
-        raise UserError(f"unknown pass {name!r}: expected one of {', '.join(sorted(PASSES))}") from None
-    mod, attr = spec.split(":")
-    cls: type[Analysis[Any]] = getattr(importlib.import_module(f"hloopt.passes.{mod}"), attr)
-    return cls
-
-
-__all__ = ["Analysis", "AnalysisManager", "PASSES", "get_pass"]
+__all__ = ["Analysis", "AnalysisManager"]

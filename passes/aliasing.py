@@ -40,7 +40,8 @@ reducers, fusion bodies and async-wrapped computations are code, not storage.
 
 Memory spaces come from the defining value's layout: 0 is device memory (HBM), ``S(5)`` host
 memory (a buffer with several definitions is host memory when any is: loop state a body writes in
-host memory, as a scan's offloaded stack); other spaces (TPU VMEM ``S(1)``, SMEM ``S(2)``...) are on-chip scratch and counted apart.
+host memory, as a scan's offloaded stack); other spaces (TPU VMEM ``S(1)``, SMEM ``S(2)``...) are on-chip
+scratch and counted apart.
 
 Invariant: every position of a visited instruction belongs to exactly one buffer.
 """
@@ -336,8 +337,8 @@ class _Builder:
         if not inst.operands:
             return
         init = inst.operands[0]
-        body = (inst.called.get("body") or [None])[0]
-        cond = (inst.called.get("condition") or [None])[0]
+        body = inst.callee("body")
+        cond = inst.callee("condition")
         params = [c.parameters[0] for c in (body, cond) if c is not None and c.parameters]
         root = body.root if body is not None else None
         body_param = body.parameters[0] if body is not None and body.parameters else None
@@ -434,7 +435,7 @@ class _Builder:
         if op in _IN_PLACE and inst.operands and not inst.shape.is_tuple:
             self.share_in_place(inst, (), inst.operands[0])
         elif op == "fusion":
-            comp = (inst.called.get("calls") or [None])[0]
+            comp = inst.callee("calls")
             if comp is None or comp.root is None:
                 return
             root = comp.root
@@ -507,10 +508,10 @@ class _Builder:
         param_of: dict[int, int] = {}
         outputs: dict[int, list[ShapeIndex]] = {}
         if entry is not None:
-            for p in entry.parameters:
-                base = self.base[p]
-                for off in range(len(self._offsets(p)[0])):
-                    param_of.setdefault(bid[base + off], p.parameter_number)
+            for param in entry.parameters:
+                base = self.base[param]
+                for off in range(len(self._offsets(param)[0])):
+                    param_of.setdefault(bid[base + off], param.parameter_number)
             if entry.root is not None:
                 base = self.base[entry.root]
                 for off, idx in enumerate(self._offsets(entry.root)[0]):
@@ -558,7 +559,7 @@ def _async_in_place(start: Instruction) -> bool:
         return True
     if start.opcode != "async-start":
         return False
-    comp = (start.called.get("calls") or [None])[0]
+    comp = start.callee("calls")
     root = None if comp is None or comp.root is None else _through_bitcasts(comp.root)
     if root is None or root.opcode not in _IN_PLACE or not root.operands:
         return False

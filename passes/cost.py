@@ -55,9 +55,9 @@ from typing import ClassVar, Mapping
 
 from hloopt.devices import DeviceProfile, load_profile
 from hloopt.errors import UserError
-from hloopt.passes.loops import trip_count
 from hloopt.ir import Computation, Instruction, Module, Shape
 from hloopt.passes import Analysis, AnalysisManager
+from hloopt.passes.loops import trip_count
 
 __all__ = ["Cost", "InstructionCost", "CostResult", "CostAnalysis", "trip_count", "dot_flops", "convolution_flops"]
 
@@ -290,6 +290,7 @@ class CostAnalysis(Analysis[CostResult]):
     def run(self, module: Module, am: AnalysisManager | None = None) -> CostResult:
         v = _Visitor(self)
         entry = module.entry
+        assert entry is not None, "a parsed module has an entry computation"
         full, xla = v.computation(entry)
         return CostResult(per_instruction=dict(v.records), totals=full, totals_xla=xla,
                           device=self.profile.name if self.profile else "", trip_counts=dict(v.trips))

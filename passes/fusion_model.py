@@ -14,7 +14,8 @@ Three models, each checked against libtpu's compiled modules of the zoo (``fixtu
   most 8 (``T(2,128)``, ``T(4,128)``, ``T(8,128)``) — times the packing of sub-32-bit types
   (``(8,128)(2,1)`` for bf16). Every HBM buffer is a multiple of
   512 bytes; rank-1 arrays take ``T(n)`` with ``n`` the power of two that holds them, from 128 to
-  1024 elements (f32[768] is ``T(1024)``: 4 KiB). Measured: 3665 of the 3674 HBM array shapes in the compiled zoo modules have exactly
+  1024 elements (f32[768] is ``T(1024)``: 4 KiB). Measured: 3665 of the 3674 HBM array shapes in the compiled
+  zoo modules have exactly
   this size; the 9 others are convolution activations whose feature dimension layout assignment
   keeps minor (``{3,0,2,1}``), which costs more padding.
 * **Shards** (:func:`propagate_shardings`): an SPMD module's per-device shape of a value is its
@@ -368,7 +369,7 @@ def propagate_shardings(module: Module) -> dict[Instruction, Split]:
             # to a fixed point; zeros broadcast into the init take the state's sharding too.
             init = split.get(inst.operands[0]) if inst.operands else None
             state = init
-            body = (inst.called.get("body") or [None])[0]
+            body = inst.callee("body")
             for _ in range(4):
                 for c in inst.called.get("condition", []) + inst.called.get("body", []):
                     visit(c, [state])
@@ -751,7 +752,7 @@ def bf16_stacks(module: Module) -> set[Instruction]:
         return set()
     out: set[Instruction] = set()
     for w in entry.instructions:
-        body = (w.called.get("body") or [None])[0] if w.opcode == "while" else None
+        body = w.callee("body") if w.opcode == "while" else None
         if body is None or body.root is None or body.root.opcode != "tuple" or not body.parameters:
             continue
         param = body.parameters[0]
@@ -780,7 +781,7 @@ def _backward_stack_reads(w: Instruction, k: int) -> list[Instruction] | None:
             if t.opcode != "tuple" or len(t.users) != 1 or t.users[0].opcode != "while":
                 return None
             w2 = t.users[0]
-            body = (w2.called.get("body") or [None])[0]
+            body = w2.callee("body")
             if body is None or body.root is None or not body.parameters:
                 return None
             for j, o in enumerate(t.operands):
@@ -842,7 +843,7 @@ class FusionPlan:
 
     def buffer_bytes(self, buffer: object) -> int:
         """Per-device bytes of an aliasing :class:`~hloopt.passes.aliasing.Buffer`: its largest value."""
-        values = getattr(buffer, "values")
+        values = buffer.values
         # a narrowed value keeps its bf16 size through the tuples and barriers that forward it
         narrowed = bool(self.narrowed) and any(not ix and i in self.narrowed for i, ix in values)
         return max((self.value_bytes(i, tuple(ix), narrowed=narrowed) for i, ix in values), default=0)
@@ -870,4 +871,5 @@ class TpuFusion(Analysis[FusionPlan]):
 
 __all__ = ["FUSIBLE", "FusionPlan", "is_one_hot_scatter", "Split", "TpuFusion", "bf16_stored", "fused_instructions",
            "layout_boundaries",
-           "activation_minor_dims", "bf16_stacks", "host_stack_updates", "is_bf16_matmul", "is_partitioned", "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes", "tpu_layout_bytes"]
+           "activation_minor_dims", "bf16_stacks", "host_stack_updates", "is_bf16_matmul", "is_partitioned",
+           "parse_sharding", "propagate_shardings", "shard_dims", "tpu_compact_bytes", "tpu_layout_bytes"]

@@ -32,6 +32,7 @@ def _copy(inst: Instruction, name: str) -> Instruction:
     new._metadata_text = inst._metadata_text
     new._metadata = inst._metadata
     new.span = inst.span
+    new.is_unknown = inst.is_unknown
     return new
 
 
@@ -52,8 +53,8 @@ class _Inliner:
     def _emit(self, comp: Computation, inst: Instruction, env: dict[Instruction, Instruction],
               prefix: str) -> None:
         """Append a copy of ``inst`` (or, for a call, its callee's body) to ``comp``."""
-        if inst.opcode == "call" and (inst.called.get("to_apply") or inst.called.get("calls")):
-            callee = (inst.called.get("to_apply") or inst.called.get("calls"))[0]
+        callee = inst.callee("to_apply", "calls") if inst.opcode == "call" else None
+        if callee is not None:
             inner: dict[Instruction, Instruction] = {}
             params = {p.parameter_number: p for p in callee.instructions if p.opcode == "parameter"}
             for num, p in params.items():

@@ -184,7 +184,8 @@ class Liveness(Analysis[LiveRanges]):
         time = {inst: t for t, inst in enumerate(steps)}
         last = len(steps) - 1
 
-        plan = am.get(TpuFusion(narrow_stacks=self.narrow_stacks)) if self.materialize == "tpu-fusion" else None  # passes/fusion_model.py
+        # passes/fusion_model.py
+        plan = am.get(TpuFusion(narrow_stacks=self.narrow_stacks)) if self.materialize == "tpu-fusion" else None
         fused = plan.fused if plan is not None else frozenset()
         fused = fused | storage_views(steps)
         # Last step reading each instruction; a fused-away reader reads on behalf of its readers.
@@ -206,20 +207,20 @@ class Liveness(Analysis[LiveRanges]):
         start = [-1] * n
         end = [-1] * n
         for inst, bids in aliasing.position_buffers.items():
-            t = time.get(inst)
-            if t is None or inst in fused:
+            at = time.get(inst)
+            if at is None or inst in fused:
                 continue
             e = last_read[inst]
             for b in bids:
-                if start[b] < 0 or t < start[b]:
-                    start[b] = t
+                if start[b] < 0 or at < start[b]:
+                    start[b] = at
                 if e > end[b]:
                     end[b] = e
             if inst.opcode == "get-tuple-element" and inst.operands:
                 # reading an element reads the operand's index table
                 b = aliasing.position_buffers.get(inst.operands[0], (None,))[0]
-                if b is not None and t > end[b]:
-                    end[b] = t
+                if b is not None and at > end[b]:
+                    end[b] = at
         sizes = [0] * n
         for b in aliasing.buffers:
             if start[b.id] < 0:

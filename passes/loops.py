@@ -49,12 +49,15 @@ def trip_count(loop: Instruction) -> int | None:
     if cond is None or body is None or cond.root is None or not cond.parameters:
         return None
     cparam = cond.parameters[0]
-    root, args = cond.root, {}
+    root = cond.root
+    args: dict[Instruction, Instruction] = {}
     if root.opcode == "fusion":
         fc = root.called["calls"][0]
         args = {p: root.operands[p.parameter_number] for p in fc.parameters}
+        if fc.root is None:
+            return None
         root = fc.root
-    if root is None or root.opcode != "compare":
+    if root.opcode != "compare":
         return None
     direction = root.attrs.get("direction", "")
     a, b = (_resolve(o, args) for o in root.operands)

@@ -13,7 +13,8 @@ How XLA counts, and the switches that reproduce it (measured on the zoo, see tes
   and small): XLA's memory viewer adds the allocations with an indefinite lifetime to the peak of
   a heap-simulator trace, and libtpu reports the device (HBM) heap or the on-chip S(1) (VMEM)
   heap, whichever peaks higher (``on_chip_heap``): for the tiny zoo models it is VMEM; at size
-  ``small`` VMEM for mlp and gpt2, HBM for convnet and llama. Generated code and thread-local scratch are not in it. Outputs get their
+  ``small`` VMEM for mlp and gpt2, HBM for convnet and llama. Generated code and thread-local scratch are not
+  in it. Outputs get their
   own allocations (live the whole program: ``outputs_whole_program``), every HBM buffer is
   512-byte aligned (``alignment_bytes`` in Liveness), constants are static allocations
   (``static_allocations``), and XLA's buffer assigner puts temporaries inside output
@@ -42,7 +43,8 @@ cast to the optimizer update). A reader is a materialized step; a step that read
 (same dims) joins that output's multi-output fusion and reads its parameters from the fusion's
 first step (the optimizer's moment and parameter updates are one fusion); a loop reads the
 parameters it carries from its first step. In VMEM a convolution's result and the pooling
-windows over it are laid out with batch and feature minor, in the order that pads less (:func:`~hloopt.passes.fusion_model.activation_minor_dims`:
+windows over it are laid out with batch and feature minor, in the order that pads less
+(:func:`~hloopt.passes.fusion_model.activation_minor_dims`:
 ``f32[4,16,16,8]{3,0,2,1:T(4,128)S(1)}`` is 512 KiB where the compact HBM layout takes 32 KiB;
 ``f32[16,16,16,8]{0,3,2,1:T(8,128)S(1)}`` puts the batch on the lanes), so ``mov(t)`` counts
 them at that size (:func:`activation_minor_sizes`); HBM keeps them compact.
@@ -104,7 +106,7 @@ import numpy as np
 from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
-from hloopt.passes.liveness import FORWARDS, LiveRanges, Liveness
+from hloopt.passes.liveness import FORWARDS, Liveness, LiveRanges
 from hloopt.passes.residuals import is_device_annotation, offloaded_source
 
 #: TPU VMEM, the on-chip memory space memory-space assignment moves temporaries into
@@ -249,14 +251,15 @@ class PeakMemory(Analysis[MemoryProfile]):
         absorbed_ranges: list[tuple[int, int, int]] = []
         if self.reuse_output_allocations:
             absorbed = output_allocation_reuse(lr)
-            absorbed_ranges = [(start[bid], end[bid], sizes[bid]) for bid in absorbed if lr.buffers[bid].memory_space == 0]
+            absorbed_ranges = [(start[bid], end[bid], sizes[bid]) for bid in absorbed
+                               if lr.buffers[bid].memory_space == 0]
             for bid in absorbed:
                 start[bid] = -1  # inside an output's allocation, which is counted whole
         if self.outputs_whole_program:
             for b in lr.buffers:
                 if start[b.id] >= 0 and b.output_indices:
                     start[b.id], end[b.id] = 0, last
-        spaces = (0,)
+        spaces: tuple[int, ...] = (0,)
         predicted_msa = self.on_chip_heap and self.on_chip_bytes > 0 and \
             not any(b.memory_space == ON_CHIP_MEMORY_SPACE for b in lr.buffers)
         movable: set[int] = set()
@@ -421,7 +424,7 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
         dies[end[bid] + 1].append(sizes[bid])
     live: Counter[int] = Counter()
     hbm_side, vmem_side = [], []
-    for t, inst in enumerate(lr.steps):
+    for t in range(len(lr.steps)):
         for s in dies[t]:
             live[s] -= 1
             if not live[s]:

@@ -55,9 +55,9 @@ from typing import ClassVar
 
 from hloopt.errors import UserError
 from hloopt.frameworks import FRAMEWORK_PACKAGES
-from hloopt.passes.loops import trip_count
 from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
+from hloopt.passes.loops import trip_count
 
 #: path fragments of library frames skipped when looking for the user's source line: JAX and the
 #: frameworks models are built with (hloopt.lowering writes installed files by package path,
@@ -484,7 +484,7 @@ def _element_operands(src: Instruction, index: int) -> list[Instruction] | None:
             src.shape.tuple_shapes):
         return [src.operands[index]]
     if op == "fusion":
-        comp = (src.called.get("calls") or [None])[0]
+        comp = src.callee("calls")
         if comp is None or comp.root is None or comp.root.opcode != "tuple" or index >= len(comp.root.operands):
             return None
         params: set[int] = set()
@@ -573,7 +573,7 @@ def _static_in(order: Sequence[Instruction], param_static, depth: int = 0) -> se
             const_only.add(inst)
             static.add(inst)
         elif op == "fusion":
-            comp = (inst.called.get("calls") or [None])[0]
+            comp = inst.callee("calls")
             if (comp is not None and all(o in static for o in inst.operands)
                     and all(c.opcode in _CHEAP_OPS or c.opcode in _ELEMENTWISE
                             or c.opcode in ("parameter", "constant", "iota", "tuple")
@@ -589,7 +589,7 @@ def _static_in(order: Sequence[Instruction], param_static, depth: int = 0) -> se
 
 def _static_loop_elements(loop: Instruction, outer_static: set[Instruction], depth: int) -> frozenset[int]:
     """Tuple indices of a while whose values stay static through every iteration."""
-    body = (loop.called.get("body") or [None])[0]
+    body = loop.callee("body")
     init = loop.operands[0] if loop.operands else None
     if body is None or body.root is None or body.root.opcode != "tuple" or init is None or depth > 4:
         return frozenset()
@@ -617,7 +617,7 @@ _ELEMENTWISE = frozenset({"add", "subtract", "multiply", "divide", "maximum", "m
 
 def _passthrough_init(loop: Instruction, index: int) -> Instruction | None:
     """The init value of tuple element ``index`` if the loop body passes it through unchanged."""
-    body = (loop.called.get("body") or [None])[0]
+    body = loop.callee("body")
     if body is None or body.root is None or body.root.opcode != "tuple" or not loop.operands:
         return None
     if index >= len(body.root.operands):
@@ -658,7 +658,7 @@ def _trace_producer(inst: Instruction) -> tuple[Instruction, Instruction | None,
             inst = inst.operands[0]
         elif op == "get-tuple-element" and inst.operands and inst.operands[0].opcode in ("call", "fusion"):
             call = inst.operands[0]
-            comp = (call.called.get("to_apply") or call.called.get("calls") or [None])[0]
+            comp = call.callee("to_apply", "calls")
             if comp is None or comp.root is None or comp.root.opcode != "tuple":
                 return call, marker, host
             callers.append(call)
@@ -787,7 +787,7 @@ def _stacked_update(loop: Instruction, index: int) -> tuple[Instruction, int, bo
     Follows the body root's element through views, async ``dynamic-update-slice-start/done``
     and fusions whose root is (a tuple holding) a dynamic-update-slice of a fusion parameter.
     """
-    body = (loop.called.get("body") or [None])[0]
+    body = loop.callee("body")
     if body is None or body.root is None or body.root.opcode != "tuple" or index >= len(body.root.operands):
         return None
     out = body.root.operands[index]
@@ -840,7 +840,7 @@ def _find_dus(inst: Instruction, depth: int) -> tuple[Instruction, Instruction, 
 
 
 def _fusion_dus(fusion: Instruction, index: int | None, depth: int) -> tuple[Instruction, Instruction, Shape] | None:
-    comp = (fusion.called.get("calls") or fusion.called.get("to_apply") or [None])[0]
+    comp = fusion.callee("calls", "to_apply")
     if comp is None or comp.root is None:
         return None
     r = comp.root
@@ -885,11 +885,12 @@ def _reads_reversed(bwd_loop: Instruction, inst: Instruction) -> bool | None:
         j = next(k for k, o in enumerate(init.operands) if o is inst)
     except StopIteration:
         return None
-    body = (bwd_loop.called.get("body") or [None])[0]
+    body = bwd_loop.callee("body")
     if body is None:
         return None
     for b in body.instructions:
-        if b.opcode == "get-tuple-element" and b.tuple_index == j and b.operands and b.operands[0].opcode == "parameter":
+        if (b.opcode == "get-tuple-element" and b.tuple_index == j and b.operands
+                and b.operands[0].opcode == "parameter"):
             for u in b.users:
                 idx = _slice_index(u, b)
                 if idx is not None:
@@ -902,7 +903,7 @@ def _slice_index(user: Instruction, operand: Instruction) -> list[Instruction] |
     if user.opcode in ("dynamic-slice", "dynamic-slice-start") and user.operands and user.operands[0] is operand:
         return list(user.operands[1:])
     if user.opcode in ("fusion", "call"):
-        comp = (user.called.get("calls") or user.called.get("to_apply") or [None])[0]
+        comp = user.callee("calls", "to_apply")
         if comp is None:
             return None
         numbers = {n for n, o in enumerate(user.operands) if o is operand}
@@ -924,7 +925,7 @@ def _involves_subtract(idx: list[Instruction]) -> bool:
             if x.opcode == "subtract" or (x.opcode == "fusion" and "subtract" in x.name):
                 return True
             if x.opcode in ("fusion", "call"):
-                comp = (x.called.get("calls") or x.called.get("to_apply") or [None])[0]
+                comp = x.callee("calls", "to_apply")
                 if comp is not None and any(c.opcode == "subtract" for c in comp.instructions):
                     return True
             if x.opcode not in ("parameter", "constant", "get-tuple-element"):
@@ -932,5 +933,5 @@ def _involves_subtract(idx: list[Instruction]) -> bool:
     return False
 
 
-__all__ = ["FindResiduals", "describe", "under_checkpoint", "LIBRARY_PATHS", "Residual", "ResidualGroup", "ResidualSet", "find_residuals",
-           "group_by_selector", "is_host_annotation", "moves_to_host", "primitive_of", "trip_count"]
+__all__ = ["FindResiduals", "describe", "under_checkpoint", "LIBRARY_PATHS", "Residual", "ResidualGroup",
+           "ResidualSet", "find_residuals", "group_by_selector", "is_host_annotation", "moves_to_host", "primitive_of"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import re
 import subprocess
 import sys

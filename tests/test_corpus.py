@@ -1,28 +1,26 @@
 """The XLA corpus: every module XLA's parser accepts we read and print back to a fixed point;
 every module it rejects we reject with a one-line UserError at FILE:LINE:COL (never a crash).
 
-Truth is XLA's own verdict: /work/shared/hlo-corpus holds the 612 files jaxlib's
-``hlo_module_from_text`` accepts, /work/shared/hlo-corpus-invalid the 82 it rejects, each with
-XLA's message in ``.why``.
+Truth is XLA's own verdict: ``shared/hlo-corpus`` beside the checkout holds the 612 files jaxlib's
+``hlo_module_from_text`` accepts, ``shared/hlo-corpus-invalid`` the 82 it rejects, each with XLA's
+message in ``.why`` (where: :func:`fixtures.corpus.corpus_dir`). A missing corpus fails
+:func:`test_corpus_present` instead of skipping the hundreds of tests below.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
 
+from fixtures.corpus import corpus_dir
 from hloopt.errors import HloParseError, UserError
 from hloopt.hlo.parser import parse_module, parse_modules
 from hloopt.hlo.printer import print_module
 
-VALID = Path(os.environ.get("HLOOPT_CORPUS", "/work/shared/hlo-corpus"))
-INVALID = Path(os.environ.get("HLOOPT_CORPUS_INVALID", "/work/shared/hlo-corpus-invalid"))
-
-if not VALID.is_dir() or not INVALID.is_dir():  # pragma: no cover - the corpus is shared data
-    pytest.skip("HLO corpus not present", allow_module_level=True)
+VALID = corpus_dir("hlo-corpus")
+INVALID = corpus_dir("hlo-corpus-invalid")
 
 VALID_FILES = sorted(VALID.rglob("*.hlo"))
 INVALID_FILES = sorted(INVALID.rglob("*.hlo"))
@@ -30,6 +28,12 @@ INVALID_FILES = sorted(INVALID.rglob("*.hlo"))
 
 def _id(p: Path) -> str:
     return p.name
+
+
+def test_corpus_present() -> None:
+    for d in (VALID, INVALID):
+        assert d.is_dir(), (f"HLO corpus not found at {d}: put it in shared/ beside the checkout "
+                            "or set HLOOPT_CORPUS / HLOOPT_CORPUS_INVALID")
 
 
 def test_corpus_sizes() -> None:
@@ -62,6 +66,20 @@ def test_invalid_rejected_cleanly(path: Path) -> None:
     assert re.match(re.escape(str(path)) + r":\d+:\d+: \S", msg), msg
     assert getattr(err, "line", 0) >= 1
     assert err.detail is not None and err.detail.splitlines()[-1].strip() == "^"
+
+
+def test_no_module_is_rejected_by_xla_for_its_opcode_name() -> None:
+    """hloopt reads opcodes it does not know (hloopt.hlo.checks); that rejects none of these,
+    because XLA rejects none of them for the name (its message would say ``Unknown opcode``).
+    ``hlo_parser_test__177`` holds the one unknown name, ``le``, after a scalar layout ``{}``
+    that XLA and hloopt both reject first, at the same place."""
+    whys = {p: Path(f"{p}.why").read_text() for p in INVALID_FILES}
+    assert len(whys) == 82
+    assert not [p.name for p, why in whys.items() if "Unknown opcode" in why]
+    wrong_opcode = INVALID / "xla-tests" / "hlo_parser_test__177.hlo"
+    assert " le(" in wrong_opcode.read_text() and "was parsing 4:13: error: expects opcode" in whys[wrong_opcode]
+    with pytest.raises(UserError, match=r"hlo_parser_test__177\.hlo:4:13: expects opcode"):
+        parse_module(wrong_opcode.read_text(), filename=str(wrong_opcode))
 
 
 MULTI_MODULE = sorted(p for p in INVALID_FILES if "\n// -----" in p.read_text())
@@ -101,7 +119,7 @@ def test_error_line_agrees_with_xla(stem: str) -> None:
     assert m is not None
     with pytest.raises(UserError) as info:
         parse_module(path.read_text(), filename=str(path))
-    assert getattr(info.value, "line") == int(m.group(1)), (str(info.value), why)
+    assert info.value.line == int(m.group(1)), (str(info.value), why)
 
 
 @pytest.mark.parametrize("stem,xla_phrase", [

@@ -261,6 +261,7 @@ def test_pre_optimization_module_matches_jax_lowered_cost_analysis(model):
     if root not in sys.path:
         sys.path.insert(0, root)
     import hloopt.lowering  # noqa: F401  (sets the host device count before jax starts)
+    # isort: split
     import jax
 
     step, args = importlib.import_module(f"fixtures.zoo.{model}").make("tiny")[:2]

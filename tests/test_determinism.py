@@ -86,7 +86,7 @@ def test_hlo_commands_are_byte_identical_across_runs_and_hash_seeds(tmp_path: Pa
     # Twice in one process: the second round equals the first.
     n = len(HLO_COMMANDS)
     rounds = list(b.items())
-    for (k1, v1), (k2, v2) in zip(rounds[:n], rounds[n:2 * n]):
+    for (k1, v1), (_, v2) in zip(rounds[:n], rounds[n:2 * n]):
         assert v1 == v2, f"second run in one process differs: {k1}"
     first = dict(rounds[:n]) | {k: v for k, v in rounds[2 * n:]}
     assert_same(a, first, "PYTHONHASHSEED 0 vs 4242")

@@ -17,6 +17,8 @@ if str(ROOT) not in sys.path:
 
 import hloopt  # noqa: E402
 import hloopt.lowering as lowering  # noqa: E402  (before jax: 8 host devices, cpu platform)
+
+# isort: split
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

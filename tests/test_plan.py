@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from hloopt.cli import cli, main
 from hloopt.devices import load_profile
 from hloopt.errors import UserError
-from hloopt.plan import (SCHEMA, Bounds, Budget, Decision, ParetoPoint, Plan, Predicted, Selector,
-                         SolverInfo)
+from hloopt.plan import SCHEMA, Bounds, Budget, Decision, ParetoPoint, Plan, Predicted, Selector, SolverInfo
 
 
 def named(name: str, action: str = "offload", *, nbytes: int = 32768, layers: int = 2) -> Decision:

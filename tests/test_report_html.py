@@ -102,9 +102,9 @@ def test_downsampling_keeps_every_bucket_maximum() -> None:
         assert ds["mat"][:, i].sum() == total[lo:hi].max()  # the category split of that very step
         assert ds["plan"][i] == (total // 2)[lo:hi].max()
     assert ds["total"].max() == total.max() == 50_000 + b[77_777]
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU seconds: other processes on a shared machine do not count
     page = render_html(data)
-    assert time.perf_counter() - t0 < 20
+    assert time.process_time() - t0 < 20
     assert len(page) < 1_500_000
     assert 'data-buckets="2000"' in page
 

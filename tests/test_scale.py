@@ -73,6 +73,7 @@ def test_match_names_never_names_a_value_that_is_no_shard() -> None:
 @pytest.fixture(scope="module")
 def sharded_tiny():  # type: ignore[no-untyped-def]
     import hloopt.lowering  # noqa: F401  (8 host devices before jax starts)
+    # isort: split
     import jax
 
     from hloopt.lowering import lower

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
-
-import itertools
 
 from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, Step
 from hloopt.simulator import lower_bound_peak, simulate

@@ -15,6 +15,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import hloopt.lowering as lowering  # noqa: E402  (before jax: 8 host devices, cpu platform)
+
+# isort: split
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

@@ -61,9 +61,7 @@ def analyze(target: str, platform: str | None, compile_: str | None, size: str |
 def _show(report) -> None:  # type: ignore[no-untyped-def]
     from rich.table import Table
 
-    from hloopt.report.terminal import bar, sparkline
-
-    from hloopt.report.terminal import make_console
+    from hloopt.report.terminal import bar, make_console, sparkline
 
     console = make_console()
     j = report.to_json()

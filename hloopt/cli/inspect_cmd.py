@@ -61,6 +61,8 @@ def _table(s: "object") -> None:
         ("sharded instructions", f"{d['sharded_instructions']}"),
         ("partitions x replicas", f"{d['num_partitions']} x {d['replica_count']}"),
         ("scheduled", "yes" if d["is_scheduled"] else "no"),
+        ("unknown opcodes (not modeled)", ", ".join(f"{k}: {v}" for k, v in
+                                                   d["unknown_opcodes"].items()) or "none"),
     ]
     for k, v in rows:
         facts.add_row(k, v)

@@ -42,7 +42,6 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
     with user_errors():
         from hloopt import pipeline
         from hloopt.report.terminal import make_console, progress
-
         from hloopt.units import parse_budget
 
         if budget is not None:
@@ -149,7 +148,8 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
     for col in ("policy", "peak", "step time", "exposed transfer"):
         s.add_column(col, justify="left" if col == "policy" else "right")
     budget = p.budget.bytes if p.budget else None
-    s.add_row("all residuals on device", format_bytes(pr.baseline_peak_bytes), format_seconds(pr.baseline_step_time_s), "-")
+    s.add_row("all residuals on device", format_bytes(pr.baseline_peak_bytes),
+              format_seconds(pr.baseline_step_time_s), "-")
     s.add_row("[bold]hloopt plan[/bold]", format_bytes(pr.peak_bytes), format_seconds(pr.step_time_s),
               format_seconds(pr.exposed_transfer_s))
     for a in o.anchors:  # type: ignore[attr-defined]

@@ -71,7 +71,8 @@ def report_data(source: str, *, profile: Any, device_given: bool, budget: Any, p
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors (and no progress display).")
 @device_options
 def report(source: str, output: str | None, budget: Any, platform: str | None, compile_: str | None,
-           size: str | None, top: int, force: bool, as_json: bool, quiet: bool, device: str | None, device_file: str | None,
+           size: str | None, top: int, force: bool, as_json: bool, quiet: bool, device: str | None,
+           device_file: str | None,
            hbm: int | None, d2h: float | None, h2d: float | None) -> None:
     """Report what fills device memory: tables here, and an HTML page with -o."""
     from hloopt.report.terminal import make_console, print_report, progress

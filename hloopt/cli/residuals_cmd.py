@@ -47,7 +47,8 @@ def _table(result, rows) -> None:  # type: ignore[no-untyped-def]
     rs = result.residuals
     peak = result.peak_bytes
     title = (f"{len(rows)} residuals, {format_bytes(rs.total_bytes)}"
-             + (f" ({rs.total_bytes / peak:.1%} of the {format_bytes(peak)} peak: {result.peak_source})" if peak else "")
+             + (f" ({rs.total_bytes / peak:.1%} of the {format_bytes(peak)} peak: {result.peak_source})"
+                if peak else "")
              + (f"; checkpoint_names select {result.coverage:.1%} of the bytes" if result.coverage is not None else ""))
     table = Table(title=title)
     for col in ("name / location", "shape", "bytes", "layers", "producer", "forward live", "first bwd use",

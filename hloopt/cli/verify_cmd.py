@@ -26,9 +26,8 @@ def verify(target: str, plan_file: str, compile_for: str | None, as_json: bool, 
     """Re-lower TARGET with PLAN's policy and check XLA offloads exactly the planned residuals."""
     with user_errors():
         from hloopt.plan import Plan
-        from hloopt.verify import verify as run_verify
-
         from hloopt.report.terminal import progress
+        from hloopt.verify import verify as run_verify
 
         plan = Plan.load(plan_file)
         label = "re-lowering with the plan's policy" + (f" and compiling for {compile_for}" if compile_for else "")

@@ -15,8 +15,16 @@ takes ``X``'s attributes plus the async ones, update/done only the async ones.
 
 Invariants: a check never changes the module; it either returns or raises
 :class:`~hloopt.errors.HloParseError` through the ``fail`` callback, which knows the source text.
-Opcodes hloopt does not know are rejected like XLA does; ``cholesky`` and ``triangular-solve``
-take proto-message attributes and are not checked. ``device_ids`` on collectives is accepted
+An opcode hloopt does not know is *not* rejected: XLA's opcode set grows with every release
+(``mulhi``, which JAX emits for Philox keys, is newer than this table) and libtpu's compiler is
+built from a newer XLA than jaxlib's parser, so a name missing here says nothing about the module.
+Its instruction keeps its shape, operands and raw attributes; :func:`check_module` returns it so
+that the parser flags it (``Instruction.is_unknown``) and the analyses treat it as a value of its
+shape. XLA rejects names outside *its* set, but no module in XLA's own rejected corpus
+(``hlo-corpus-invalid``) is rejected for its opcode name: its one unknown name (``le`` in
+``hlo_parser_test__177``) sits after a scalar layout ``{}`` that both parsers reject first.
+``cholesky`` and ``triangular-solve`` take proto-message attributes and are not checked. ``device_ids`` on
+collectives is accepted
 (newer XLA prints mesh replica groups that way; our zoo snapshots hold it).
 """
 
@@ -26,7 +34,7 @@ import math
 import re
 from typing import Callable, NoReturn, Protocol
 
-from hloopt.ir import Computation, Instruction, Module, Shape
+from hloopt.ir import Instruction, Module
 
 #: Attributes every instruction may carry.
 COMMON_ATTRS = frozenset({
@@ -217,39 +225,51 @@ def async_form(opcode: str) -> tuple[str, str] | None:
 # Entry point
 # --------------------------------------------------------------------------------------------
 
+def is_known_opcode(opcode: str) -> bool:
+    """Whether hloopt knows ``opcode`` (its own table, or async sugar around a known one)."""
+    return opcode in KNOWN_OPCODES or opcode in _NATIVE_ASYNC or async_form(opcode) is not None
+
+
 def check_module(mod: Module, fail: Fail, *, header_fail: Callable[[str, str, int], NoReturn]
-                 ) -> None:
-    """Raise (through ``fail``) on the first XLA-parser rule the module breaks."""
+                 ) -> list[Instruction]:
+    """Raise (through ``fail``) on the first XLA-parser rule the module breaks; return the
+    instructions whose opcode hloopt does not know (their attributes are not checked)."""
     donor = mod.header_attrs.get("buffer_donor")
     if donor is not None:
         _check_buffer_donor(donor, header_fail)
     async_callers: dict[str, Instruction] = {}
+    unknown: list[Instruction] = []
     for comp in mod.computations.values():
         for inst in comp.instructions:
-            _check_instruction(inst, fail, async_callers)
+            if not _check_instruction(inst, fail, async_callers):
+                unknown.append(inst)
+    return unknown
 
 
-def _check_instruction(inst: Instruction, fail: Fail, async_callers: dict[str, Instruction]) -> None:
+def _check_instruction(inst: Instruction, fail: Fail, async_callers: dict[str, Instruction]) -> bool:
+    """Check one instruction; False when its opcode is unknown (and nothing was checked)."""
     op = inst.opcode
     # Fast path for the opcodes whose only rules are an operand count and an attribute set.
     arity = _SIMPLE_ARITY.get(op)
     if arity is not None and len(inst.operands) == arity:
         attrs = inst.attrs
         if not attrs or (attrs.keys() <= _ALLOWED_ALL[op] and "result_accuracy" not in attrs):
-            return
+            return True
     form = None
-    allowed = OPCODE_ATTRS.get(op, False)
-    if allowed is False:
+    allowed: frozenset[str] | None
+    if op not in OPCODE_ATTRS:
         form = async_form(op)
         if form is None:
-            fail(inst, f"unknown opcode {op!r}", needle=op + "(")
+            return False
         kind, base = form
         if kind == "start":
             allowed = (OPCODE_ATTRS[base] or frozenset()) | _ASYNC_ATTRS_START
         else:
             allowed = _ASYNC_ATTRS_OTHER
-    elif op.startswith("async-"):
-        form = (op[6:], "")
+    else:
+        allowed = OPCODE_ATTRS[op]
+        if op.startswith("async-"):
+            form = (op[6:], "")
     attrs = inst.attrs
     arity = OPCODE_ARITY.get(op)
     if arity is not None and len(inst.operands) != arity:
@@ -292,6 +312,7 @@ def _check_instruction(inst: Instruction, fail: Fail, async_callers: dict[str, I
     ra = attrs.get("result_accuracy")
     if ra is not None:
         _check_result_accuracy(inst, ra, fail)
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -755,6 +776,6 @@ _SIMPLE_ARITY: dict[str, int] = {
     if op not in REQUIRED_ATTRS and op not in _CHECKS and op in _ALLOWED_ALL
     and op not in ("broadcast", "conditional")}
 
-__all__ = ["API_VERSIONS", "COMMON_ATTRS", "KNOWN_OPCODES", "OPCODE_ARITY", "OPCODE_ATTRS",
+__all__ = ["API_VERSIONS", "COMMON_ATTRS", "KNOWN_OPCODES", "is_known_opcode", "OPCODE_ARITY", "OPCODE_ATTRS",
            "REQUIRED_ATTRS",
            "async_form", "check_module"]

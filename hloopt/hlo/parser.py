@@ -55,7 +55,8 @@ _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 _BAL_TOKEN = re.compile(r'[^{}\[\]()"/]+|"(?:[^"\\]|\\.)*"|/\*(?:[^*]|\*(?!/))*\*/|.', re.S)
 _SIMPLE_OPERAND = re.compile(r"[ \t\r\n]*(?:/\*[^*]*\*/[ \t\r\n]*)?%?([A-Za-z_$][\w.\-$]*)[ \t\r\n]*(?:,|$)")
 _LONG_OPERAND = re.compile(
-    r"[ \t\r\n]*(?:/\*[^*]*\*/[ \t\r\n]*)?(?:([a-z][a-z0-9]*\[[^\]\[]*\](?:\{[^{}]*\})?)[ \t\r\n]+)?%?([A-Za-z_$][\w.\-$]*)"
+    r"[ \t\r\n]*(?:/\*[^*]*\*/[ \t\r\n]*)?(?:([a-z][a-z0-9]*\[[^\]\[]*\](?:\{[^{}]*\})?)[ \t\r\n]+)?"
+    r"%?([A-Za-z_$][\w.\-$]*)"
     r"[ \t\r\n]*(?:,|$)"
 )
 _TABLE_ROW = re.compile(r"[ \t]*(\d+)[ \t]+(\"(?:[^\"\\]|\\.)*\"|\{[^{}\n]*\})[ \t]*\n?")
@@ -146,7 +147,7 @@ class _Parser:
 
     # -- scanning -----------------------------------------------------------------------------
     def ws(self, pos: int) -> int:
-        pos = _WS.match(self.text, pos).end()
+        pos = _WS.match(self.text, pos).end()  # type: ignore[union-attr]  # always matches
         if self.text.startswith("/*", pos):
             raise self.error(pos, "unterminated comment '/*'")
         return pos
@@ -166,7 +167,7 @@ class _Parser:
         n = self.n
         while p < n:
             m = _BAL_TOKEN.match(text, p)
-            tok = m.group(0)
+            tok = m.group(0)  # type: ignore[union-attr]  # always matches
             c = tok[0]
             if c in _OPEN and len(tok) == 1:
                 stack.append((_OPEN[c], p))
@@ -180,7 +181,7 @@ class _Parser:
                     return p + 1
             elif c == '"' and (len(tok) == 1 or tok[-1] != '"'):
                 raise self.error(p, "unterminated string")
-            p = m.end()
+            p = m.end()  # type: ignore[union-attr]  # always matches
         if stack:
             raise self.error(stack[-1][1], f"unclosed {text[stack[-1][1]]!r}")
         return p
@@ -295,7 +296,7 @@ class _Parser:
             try:
                 m2m = tuple(int(x) for x in head.split(","))
             except ValueError:
-                raise self.error(pos + 1, f"expected minor-to-major dims, found {head.strip()!r}")
+                raise self.error(pos + 1, f"expected minor-to-major dims, found {head.strip()!r}") from None
             if sorted(m2m) != list(range(rank)):
                 raise self.error(pos + 1, f"layout {{{head}}} is not a permutation of {rank} dims")
         tiles: list[tuple[int, ...]] = []
@@ -317,7 +318,7 @@ class _Parser:
                             -1 if x.strip() == "*" else -2 if x.strip() == "?" else int(x)
                             for x in tail[i + 1:j].split(",")))
                     except ValueError:
-                        raise self.error(pos, f"bad tile {tail[i:j + 1]!r} in layout")
+                        raise self.error(pos, f"bad tile {tail[i:j + 1]!r} in layout") from None
                     i = j + 1
                 continue
             m = re.compile(r"([A-Z#*]+)\(").match(tail, i)
@@ -406,7 +407,8 @@ class _Parser:
         self.link(mod)
         from hloopt.hlo.checks import check_module
 
-        check_module(mod, self._fail, header_fail=self._header_fail)
+        for inst in check_module(mod, self._fail, header_fail=self._header_fail):
+            inst.is_unknown = True
         return mod
 
     def _fail(self, inst: Instruction | None, message: str, *, needle: str | None = None,
@@ -416,7 +418,7 @@ class _Parser:
         if needle is not None:
             # An instruction may span lines: search up to the next instruction (or the '}').
             comp = inst.parent if inst is not None else None
-            if comp is not None and 0 <= inst.index + 1 < len(comp.instructions):
+            if inst is not None and comp is not None and 0 <= inst.index + 1 < len(comp.instructions):
                 limit = self._pos_of(comp.instructions[inst.index + 1])
             else:
                 limit = self.text.find("\n}", pos)
@@ -718,7 +720,7 @@ class _Parser:
             md = attrs.get("metadata")
             if md is not None:
                 inst._metadata_text = md
-        p = _WS_FAST.match(text, m.end()).end()
+        p = _WS_FAST.match(text, m.end()).end()  # type: ignore[union-attr]  # always matches
         if p < self.n:
             c = text[p]
             if c == ",":
@@ -758,6 +760,7 @@ class _Parser:
             names: list[str] = []
         else:
             names = self.operands(inst, body_start, seg_end, depth)
+        attrs: dict[str, str]
         if depth:
             pos, attrs = seg_end + 1, {}
         else:
@@ -813,7 +816,7 @@ class _Parser:
                     raise self.error(q, "instructions nested too deeply")
                 om = _OPCODE_AHEAD.match(text, q, end)
                 self._anon += 1
-                nname = f"{om.group(1)}.nested.{self._anon}"
+                nname = f"{om.group(1)}.nested.{self._anon}"  # type: ignore[union-attr]  # matched above
                 start_q = q
                 if s is not None:
                     # Re-parse with the shape in front so the nested instruction keeps it.
@@ -978,7 +981,7 @@ def split_modules(text: str) -> list[tuple[int, str]]:
             cur.append(ln)
         line += 1
     parts.append((start, "".join(cur)))
-    return [(s, t) for s, t in parts if _WS.match(t).end() != len(t)]
+    return [(s, t) for s, t in parts if _WS.match(t).end() != len(t)]  # type: ignore[union-attr]  # always matches
 
 
 def parse_modules(text: str, *, filename: str = "<string>", verify: bool = True) -> list[Module]:

@@ -48,6 +48,9 @@ class ModuleSummary:
     replica_count: int
     is_scheduled: bool
     entry_computation: str = ""
+    #: Opcodes hloopt does not know -> count (parsed generically: a value of the instruction's
+    #: shape, no flops; see :mod:`hloopt.hlo.checks`). Empty when every opcode is known.
+    unknown_opcodes: dict[str, int] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -61,12 +64,15 @@ def summarize(mod: Module) -> ModuleSummary:
     """Count what :class:`ModuleSummary` reports, in one pass over the module."""
     opcodes: Counter[str] = Counter()
     placements: Counter[str] = Counter()
+    unknown: Counter[str] = Counter()
     host_insts = sharded = 0
     fused: set[str] = set()
     for comp in mod.computations.values():
         for inst in comp.instructions:
             op = inst.opcode
             opcodes[op] += 1
+            if inst.is_unknown:
+                unknown[op] += 1
             if op == "fusion":
                 for c in inst.called_computations:
                     fused.add(c.name)
@@ -108,6 +114,7 @@ def summarize(mod: Module) -> ModuleSummary:
         replica_count=int(rc) if rc.isdecimal() else 1,
         is_scheduled=mod.is_scheduled,
         entry_computation=entry.name,
+        unknown_opcodes=dict(sorted(unknown.items(), key=lambda kv: (-kv[1], kv[0]))),
     )
 
 

@@ -44,9 +44,9 @@ def _attach_position(err: HloVerifyError, mod: Module, text: str | None) -> None
 
     m = re.match(r".*?:(\d+):(\d+): ", err.message)
     line, col = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
-    setattr(err, "filename", mod.filename)
-    setattr(err, "line", line)
-    setattr(err, "col", col)
+    err.filename = mod.filename
+    err.line = line
+    err.col = col
     if text is not None and line > 0 and err.detail is None:
         lines = text.split("\n", line)
         if len(lines) >= line:

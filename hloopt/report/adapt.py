@@ -339,12 +339,12 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
     base = np.array([s.base_bytes for s in problem.steps], dtype=np.int64)
     baseline = np.asarray(outcome.baseline.timeline_bytes, dtype=np.int64)
     # every instance on device from its production to its last use (the all-device replay)
-    live = np.zeros(len(base) + 1, dtype=np.int64)
+    delta = np.zeros(len(base) + 1, dtype=np.int64)
     for c in problem.candidates:
         for ins in c.instances:
-            live[ins.produced] += ins.bytes
-            live[ins.last_use + 1] -= ins.bytes
-    residual = np.cumsum(live[:-1])
+            delta[ins.produced] += ins.bytes
+            delta[ins.last_use + 1] -= ins.bytes
+    residual = np.cumsum(delta[:-1])
     # where libtpu's on-chip heap is the larger one (Step.floor_bytes), the rest of the line
     on_chip = baseline - base - residual
     plan = outcome.plan
@@ -452,6 +452,7 @@ def outcome_from_plan(plan: Any, *, profile: Any = None, platform: str | None = 
     else:
         from hloopt.hlo.parser import parse_module
 
+        assert tgt.text is not None, "an HLO target is read when resolved"
         module = parse_module(tgt.text, filename=str(tgt.path))
         source = "hlo"
     with prog("analyzing memory, residuals and costs"):

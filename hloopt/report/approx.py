@@ -167,6 +167,7 @@ def report_data_from_module(module: Module, device: Mapping[str, object], *, bud
         step_labels=mem.step_labels, baseline_by_category=mem.timeline_by_category,
         baseline_peak_step=mem.peak_step, baseline_peak_bytes=mem.peak_bytes, live_at_peak=tuple(live),
         assumptions={"memory model": "entry-level liveness approximation (loop bodies not looked into)",
-                     "schedule": "entry computation in text order" + (" (scheduled module)" if module.is_scheduled else "")},
+                     "schedule": "entry computation in text order"
+                     + (" (scheduled module)" if module.is_scheduled else "")},
         num_partitions=module.num_partitions, mesh=mesh_of(shardings, module.num_partitions),
     ).validate()

@@ -140,7 +140,8 @@ def _memory_svg(data: ReportData, ds: Mapping[str, Any], colors: Mapping[str, st
     for t in _byte_ticks(ymax):
         y = Y(t)
         parts.append(f'<line class="grid" x1="{_ML}" x2="{_W - _MR}" y1="{_f(y)}" y2="{_f(y)}"/>')
-        parts.append(f'<text class="tick" x="{_ML - 6}" y="{_f(y + 4)}" text-anchor="end">{_esc(format_bytes(t))}</text>')
+        parts.append(f'<text class="tick" x="{_ML - 6}" y="{_f(y + 4)}" text-anchor="end">'
+                     f'{_esc(format_bytes(t))}</text>')
     for t in _nice_ticks(max(n - 1, 0), 8):
         x = X(t + 0.5)
         parts.append(f'<text class="tick" x="{_f(x)}" y="{_H - _MB + 16}" text-anchor="middle">{int(t)}</text>')
@@ -168,18 +169,18 @@ def _memory_svg(data: ReportData, ds: Mapping[str, Any], colors: Mapping[str, st
     if ds["plan"] is not None:
         pts = []
         for i, v in enumerate(ds["plan"]):
-            y = _f(Y(v))
-            pts.append(f"{_f(xs[i])} {y}L{_f(xs[i + 1])} {y}")
+            yp = _f(Y(v))
+            pts.append(f"{_f(xs[i])} {yp}L{_f(xs[i + 1])} {yp}")
         parts.append(f'<path id="plan-line" class="plan" d="M{"L".join(pts)}"/>')
     # budget and HBM lines
     if data.budget_bytes is not None:
-        y = _f(Y(data.budget_bytes))
-        parts.append(f'<line id="budget-line" class="budget" x1="{_ML}" x2="{_W - _MR}" y1="{y}" y2="{y}"/>')
+        yl = _f(Y(data.budget_bytes))
+        parts.append(f'<line id="budget-line" class="budget" x1="{_ML}" x2="{_W - _MR}" y1="{yl}" y2="{yl}"/>')
         parts.append(f'<text class="lbl budget-t" x="{_W - _MR - 4}" y="{_f(Y(data.budget_bytes) - 5)}" '
                      f'text-anchor="end">budget {_esc(format_bytes(data.budget_bytes))}</text>')
     if hbm and hbm <= ymax:
-        y = _f(Y(hbm))
-        parts.append(f'<line class="hbm" x1="{_ML}" x2="{_W - _MR}" y1="{y}" y2="{y}"/>')
+        yl = _f(Y(hbm))
+        parts.append(f'<line class="hbm" x1="{_ML}" x2="{_W - _MR}" y1="{yl}" y2="{yl}"/>')
         parts.append(f'<text class="lbl muted" x="{_ML + 4}" y="{_f(Y(hbm) - 5)}">HBM {_esc(format_bytes(hbm))}</text>')
     # peak markers
     markers = [("peak", data.baseline_peak_step, data.baseline_peak_bytes, "base", -6)]
@@ -266,7 +267,8 @@ def _transfer_svg(data: ReportData) -> str:
                          f'height="{lane_h - 6}"><title>{direction.upper()} {what}: {_esc(format_seconds(a))} - '
                          f'{_esc(format_seconds(b))}</title></rect>')
     for t in _nice_ticks(end, 8):
-        parts.append(f'<text class="tick" x="{_f(X(t))}" y="{H - 14}" text-anchor="middle">{_esc(format_seconds(t)) if t else "0"}</text>')
+        parts.append(f'<text class="tick" x="{_f(X(t))}" y="{H - 14}" text-anchor="middle">'
+                     f'{_esc(format_seconds(t)) if t else "0"}</text>')
     parts.append(f'<text class="tick" x="{_W - _MR}" y="{H - 1}" text-anchor="end">time in the step</text>')
     parts.append("</svg>")
     return "".join(parts)
@@ -280,7 +282,7 @@ def _table(table_id: str, headers: Sequence[tuple[str, str]], rows: Sequence[Seq
     out.append("</tr></thead><tbody>")
     for row in rows:
         out.append("<tr>")
-        for (label, kind), (shown, value) in zip(headers, row):
+        for (_label, kind), (shown, value) in zip(headers, row):
             cls = ' class="num"' if kind == "num" else ""
             out.append(f'<td{cls} data-v="{_esc(value)}">{_esc(shown)}</td>')
         out.append("</tr>")

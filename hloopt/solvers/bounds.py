@@ -74,7 +74,6 @@ def least_time_s(problem: Problem, *, budget_bytes: int | None = None, model=Non
         rows.append(np.repeat(lo, n) + offs)
         cols.append(xc[ok][inst])
         vals.append(m.inst_bytes[ok][inst].astype(np.float64))
-    k = np.arange(len(over))
     two = np.nonzero((xcol[:, OFF] >= 0) & (xcol[:, REM] >= 0))[0]
     nrow = len(over) + len(two)
     rows.append(len(over) + np.repeat(np.arange(len(two)), 2))
@@ -98,7 +97,7 @@ def least_time_s(problem: Problem, *, budget_bytes: int | None = None, model=Non
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_ = np.searchsorted(col, np.arange(nx + 1))
     lp.a_matrix_.index_ = row
-    lp.a_matrix_.value_ = val
+    lp.a_matrix_.value_ = val  # type: ignore[assignment]  # bincount(weights=) is float64; its stub says int
     lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = nx, nrow
     h = new_highs()
     h.setOptionValue("output_flag", False)

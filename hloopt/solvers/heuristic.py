@@ -178,7 +178,7 @@ def _cover(m: Model, choice: np.ndarray, target: np.ndarray, frozen: np.ndarray,
 
 def _added(m: Model, choice: np.ndarray, ev: LinkEval) -> np.ndarray:
     """Seconds each chosen candidate adds (its remat, or its reloads' stalls)."""
-    late = np.zeros(m.n_cands)
+    late: np.ndarray = np.zeros(m.n_cands)
     if len(ev.off):
         late = np.bincount(m.inst_cand[ev.off], weights=ev.late_s, minlength=m.n_cands)
     return np.where(choice == REM, m.remat_s, np.where(choice == OFF, late, 0.0))

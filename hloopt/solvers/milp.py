@@ -260,9 +260,13 @@ def _formulate(m: Model, target: np.ndarray, added: np.ndarray) -> _Formulation:
             cover = a <= b
             w = m.inst_bytes[ok][cover] / byte_unit
             a, b, xcv = a[cover], b[cover], xc[ok][cover]
-            rows.append(a), cols.append(xcv), vals.append(-w)
+            rows.append(a)
+            cols.append(xcv)
+            vals.append(-w)
             out = b + 1 < nk
-            rows.append(b[out] + 1), cols.append(xcv[out]), vals.append(w[out])
+            rows.append(b[out] + 1)
+            cols.append(xcv[out])
+            vals.append(w[out])
         add(np.concatenate(rows), np.concatenate(cols), np.concatenate(vals), np.zeros(nk), np.zeros(nk))
 
     if use_link:

@@ -67,7 +67,6 @@ def transformer_problem(
     rng = np.random.default_rng(seed)
     f, b, k = fwd_steps_per_layer, bwd_steps_per_layer, residuals_per_layer
     n_fwd = layers * f
-    n_steps = n_fwd + layers * b
 
     # Per-name sizes: random weights scaled so that one layer's residuals take link_load x the
     # layer's forward time to copy out.
