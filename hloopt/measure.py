@@ -4,12 +4,13 @@ For the plan (``plan=``) and for each built-in policy (JAX's ``jax.checkpoint_po
 the program uses MaxText's tensor names, MaxText's presets: :mod:`hloopt.anchors`) whose predicted
 peak fits the budget, the step is built with that policy, compiled for the current device, run
 ``warmup`` times untimed and ``steps`` times timed (each call waited for with
-``block_until_ready``), and we report
+``block_until_ready``; the timed steps go round-robin over the policies, so that other load on
+the machine falls on all of them alike), and we report
 
 * the median and spread (min, max, first and third quartile) of the timed steps;
 * the device's peak bytes in use (``device.memory_stats()["peak_bytes_in_use"]``) where the backend
   keeps them; the CPU backend returns ``None``, and the row says so;
-* the process's peak resident host memory over the row (``VmHWM`` of ``/proc/self/status``, reset
+* the process's peak resident host memory while the row compiled and ran its untimed steps (``VmHWM`` of ``/proc/self/status``, reset
   per row by writing ``5`` to ``/proc/self/clear_refs``): on the CPU backend this is where the
   step's buffers live;
 * the compiled step's ``memory_analysis()`` temporaries, XLA's own figure for the policy;
@@ -259,7 +260,8 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     ``target`` is a TARGET string or a resolved jax :class:`~hloopt.targets.Target`; ``plan`` a
     :class:`~hloopt.plan.Plan` or a plan file; ``policies`` ``"builtin"`` or ``"none"`` (the plan
     only). ``budget`` (a size or a share of the all-saved predicted peak, default the plan's)
-    leaves out anchors predicted over it.
+    leaves out anchors predicted over it. Each policy runs at least one untimed step (its memory
+    is read after it), ``max(warmup, 1)`` in all.
     """
     import contextlib
 
@@ -319,6 +321,7 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
         notes.append("the kernel refused to reset the peak RSS: host peaks are since process start")
     # Increasing predicted peak, so that a process-long device peak reading is each row's own
     # whenever the predictions order the rows right (see the module docstring).
+    ready: list[tuple[dict[str, Any], Any, dict[str, Any]]] = []  # (row fields, compiled, memory fields)
     for c in sorted(cands, key=lambda c: (c.predicted_peak_bytes, c.name)):
         base = dict(name=c.name, kind=c.kind, code=c.code, predicted_step_time_s=c.predicted_step_time_s,
                     predicted_peak_bytes=c.predicted_peak_bytes)
@@ -326,7 +329,7 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
             rows.append(PolicyRow(**base, skipped=f"predicted peak {c.predicted_peak_bytes} B is over the "
                                                   f"budget {budget_bytes} B"))
             continue
-        with prog(f"running {tgt.name} with {c.name}"):
+        with prog(f"compiling and warming up {tgt.name} with {c.name}"):
             try:
                 step_fn, step_args, step_kwargs = _step_with_policy(tgt, c.policy)
                 if args is None:
@@ -335,22 +338,41 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
                 reset_peak_rss()
                 compiled = jax.jit(step_fn).trace(*args, **kwargs).lower().compile()
                 mem = compiled.memory_analysis()
-                times = time_steps(compiled, args, kwargs, steps=steps, warmup=warmup)
+                for _ in range(max(warmup, 1)):
+                    jax.block_until_ready(compiled(*args, **kwargs))
             except UserError:
                 raise
             except Exception as err:  # the step with this policy failed: a finding, not a crash
-                first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), type(err).__name__)
-                rows.append(PolicyRow(**base, error=f"{type(err).__name__}: {first}"))
+                rows.append(PolicyRow(**base, error=_one_line(err)))
                 continue
         peak, note = device_peak_bytes(dev)
         own = None
         if peak is not None:
             own = peak > last_peak
             last_peak = max(last_peak, peak)
-        rows.append(PolicyRow(**base, measured=times, device_peak_bytes=peak, device_peak_is_own=own,
-                              host_peak_rss_bytes=peak_rss_bytes(),
-                              compiled_temp_bytes=None if mem is None else int(mem.temp_size_in_bytes)))
-        del compiled
+        ready.append((base, compiled, dict(
+            device_peak_bytes=peak, device_peak_is_own=own, host_peak_rss_bytes=peak_rss_bytes(),
+            compiled_temp_bytes=None if mem is None else int(mem.temp_size_in_bytes))))
+
+    # Timed steps round-robin over the policies, so that load from elsewhere on the machine (and
+    # clock changes) falls on every row alike rather than on whichever ran during it.
+    times: list[list[float]] = [[] for _ in ready]
+    failed: dict[int, str] = {}
+    with prog(f"timing {steps} steps of each of {len(ready)} policies, interleaved"):
+        for _ in range(steps):
+            for i, (_, compiled, _) in enumerate(ready):
+                if i in failed:
+                    continue
+                try:
+                    times[i].extend(time_steps(compiled, args, kwargs, steps=1, warmup=0).times_s)
+                except Exception as err:
+                    failed[i] = _one_line(err)
+    for i, (base, _, memory) in enumerate(ready):
+        if i in failed:
+            rows.append(PolicyRow(**base, error=failed[i]))
+        else:
+            rows.append(PolicyRow(**base, measured=StepTimes(tuple(times[i])), **memory))
+    del ready
 
     rows = _ranked(rows)
     ran = [r for r in rows if r.measured is not None]
@@ -359,6 +381,11 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     return Measurement(target=tgt.name, device_kind=str(dev.device_kind), platform=str(dev.platform),
                        profile=profile.name, steps=steps, warmup=warmup, budget_bytes=budget_bytes,
                        rows=tuple(rows), device_peak_note=note, rank_agreement=tau, notes=tuple(notes))
+
+
+def _one_line(err: BaseException) -> str:
+    first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def _ranked(rows: list[PolicyRow]) -> list[PolicyRow]:
