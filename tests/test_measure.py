@@ -172,3 +172,34 @@ def test_cli_rejects_an_hlo_target_in_one_line() -> None:
                                    "--device", "tpu-v5e"])
     assert res.exit_code == 2
     assert "cannot be run" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_plan_row_carries_the_plans_prediction_and_runs_its_policy(tmp_path: Path) -> None:
+    """A plan from `hloopt plan` is measured with its own policy and device; its predicted numbers are
+    the plan file's, and the anchors over the plan's budget are left out."""
+    from hloopt import pipeline
+    from hloopt.plan import Plan
+
+    out = pipeline.plan(LLAMA, profile=load_profile("tpu-v5e"), budget="97%")
+    path = tmp_path / "plan.json"
+    path.write_text(out.plan.to_json())
+    plan = Plan.load(path)
+    res = CliRunner().invoke(cli, ["measure", LLAMA, "--plan", str(path), "--steps", "2", "--warmup", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert d["profile"] == "tpu-v5e" and d["budget_bytes"] == plan.budget.bytes
+    rows = {r["name"]: r for r in d["rows"]}
+    assert rows["plan"]["kind"] == "plan"
+    assert rows["plan"]["predicted"]["step_time_s"] == plan.predicted.step_time_s
+    assert rows["plan"]["predicted"]["peak_bytes"] == plan.predicted.peak_bytes
+    assert len(rows["plan"]["measured"]["times_s"]) == 2
+    anchors = {a.name: a for a in out.anchors}
+    for name, r in rows.items():
+        if name == "plan":
+            continue
+        over = anchors[name].peak_bytes > plan.budget.bytes
+        assert (r["measured"] is None) == over
+        if over:
+            assert "over the budget" in r["skipped"]
+    assert any(r["skipped"] for r in rows.values())  # everything_saveable is over 97% of its own peak
