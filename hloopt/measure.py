@@ -254,13 +254,15 @@ class _Candidate:
 
 def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: str = "builtin",
             steps: int = 10, warmup: int = 2, budget: str | None = None, seed: int = 0,
+            compile: str | None = None,
             progress: Callable[[str], Any] | None = None) -> Measurement:
     """Predict, then run and time, the plan's policy and the built-in ones (see the module docstring).
 
     ``target`` is a TARGET string or a resolved jax :class:`~hloopt.targets.Target`; ``plan`` a
     :class:`~hloopt.plan.Plan` or a plan file; ``policies`` ``"builtin"`` or ``"none"`` (the plan
     only). ``budget`` (a size or a share of the all-saved predicted peak, default the plan's)
-    leaves out anchors predicted over it. Each policy runs at least one untimed step (its memory
+    leaves out anchors predicted over it. ``compile`` (``cpu``, ``tpu-v5e``...) predicts from the
+    compiler's scheduled module, as ``hloopt plan --compile`` does. Each policy runs at least one untimed step (its memory
     is read after it), ``max(warmup, 1)`` in all.
     """
     import contextlib
@@ -289,7 +291,7 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     if policies == "none" and plan_obj is None:
         raise UserError("nothing to measure: --policies none needs --plan")
 
-    an, problem = analyze_target(tgt, profile, progress=prog)
+    an, problem = analyze_target(tgt, profile, compile=compile, progress=prog)
     baseline = simulate(problem, Decisions.all_device())
     if budget is not None:
         budget_bytes = resolve_budget(budget, baseline.peak_bytes)

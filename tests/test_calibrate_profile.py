@@ -206,3 +206,24 @@ def test_efficiency_table_validates() -> None:
     with pytest.raises(UserError, match="compute_efficiency.dot"):
         profile_from_dict({**d, "compute_efficiency": {"dot": 0}})
     assert dataclasses.replace(load_profile("h200")).compute_efficiency == {}
+
+
+@pytest.mark.slow
+def test_a_profile_fitted_here_predicts_this_machines_step_time(recorded: Path) -> None:
+    """The loop closed: fitted from a trace of the step on this CPU, the profile predicts the step
+    (from the compiled module, as the trace's ops are) near what `hloopt measure` then times. The
+    built-in profile misses by orders of magnitude (an H200 is not this CPU)."""
+    from hloopt.calibrate import compiled_module_for
+    from hloopt.measure import measure
+    from hloopt.targets import resolve
+
+    base = load_profile("h200")
+    cal = fit_trace(read_trace(recorded), compiled_module_for(resolve(MLP)), base)
+    fitted = trace_calibrated_profile(base, cal)
+    m = measure(MLP, profile=fitted, compile="cpu", steps=7, warmup=2)
+    row = next(r for r in m.rows if r.name == "everything_saveable")
+    ratio = row.predicted_step_time_s / row.measured.median_s
+    assert 1 / 3 < ratio < 3, (row.predicted_step_time_s, row.measured)
+    plain = measure(MLP, profile=base, compile="cpu", steps=1, warmup=0, policies="builtin")
+    row0 = next(r for r in plain.rows if r.name == "everything_saveable")
+    assert row0.predicted_step_time_s < row.predicted_step_time_s / 10

@@ -23,11 +23,13 @@ from hloopt.cli.params import device_options, profile_from_options, user_errors
               help="Leave out built-in policies predicted over this (a size or a share of the all-saved peak); "
                    "default: the plan's budget.")
 @click.option("--size", default=None, help="Size passed to a zoo factory (tiny, small, large).")
+@click.option("--compile", "compile_target", default=None,
+              help="Predict on the compiler's scheduled HLO (cpu, tpu-v5e, ...) instead of the lowered one.")
 @device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement as JSON only.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
 def measure(target: str, plan_path: str | None, policies: str, steps: int, warmup: int, budget: str | None,
-            size: str | None, as_json: bool, quiet: bool, **device_kw: object) -> int:
+            size: str | None, compile_target: str | None, as_json: bool, quiet: bool, **device_kw: object) -> int:
     """Time TARGET's step on the current JAX device with each policy; show predicted beside measured."""
     with user_errors():
         from hloopt.measure import measure as run_measure
@@ -38,7 +40,7 @@ def measure(target: str, plan_path: str | None, policies: str, steps: int, warmu
         profile, why = _profile(plan_path, device_kw)
         tgt = resolve(target, size=size)
         m = run_measure(tgt, profile=profile, plan=plan_path, policies=policies, steps=steps, warmup=warmup,
-                        budget=budget, progress=lambda label: progress(label, console=console,
+                        budget=budget, compile=compile_target, progress=lambda label: progress(label, console=console,
                                                                        quiet=quiet or as_json))
         if as_json:
             d = m.to_dict()
