@@ -98,3 +98,32 @@ def expressible(anchor: Anchor, problem: Problem) -> bool:
         return True
     wanted = MAXTEXT_QKV_NAMES if anchor.name == "qkv_proj_offloaded" else MAXTEXT_MINIMAL_NAMES
     return any(c.name in wanted for c in problem.candidates)
+
+
+def policy_object(anchor: Anchor, names: frozenset[str]) -> object:
+    """The JAX policy object ``anchor.code`` describes, for running the step with it.
+
+    ``names`` are the ``checkpoint_name`` names the program uses (``offload_all_names`` offloads
+    every one of them). MaxText presets map as MaxText's ``get_remat_policy`` does; ``full`` is
+    ``nothing_saveable``. jax is imported here only.
+    """
+    import jax
+
+    cp = jax.checkpoint_policies
+    offload = {"offload_src": "device", "offload_dst": "pinned_host"}
+    table: dict[str, Callable[[], object]] = {
+        "everything_saveable": lambda: cp.everything_saveable,
+        "nothing_saveable": lambda: cp.nothing_saveable,
+        "dots_saveable": lambda: cp.dots_saveable,
+        "dots_with_no_batch_dims_saveable": lambda: cp.dots_with_no_batch_dims_saveable,
+        "offload_dot_with_no_batch_dims": lambda: cp.offload_dot_with_no_batch_dims("device", "pinned_host"),
+        "offload_all_names": lambda: cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=sorted(names), **offload),
+        "minimal": lambda: cp.save_only_these_names(*sorted(MAXTEXT_MINIMAL_NAMES)),
+        "minimal_offloaded": lambda: cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=sorted(MAXTEXT_MINIMAL_NAMES), **offload),
+        "qkv_proj_offloaded": lambda: cp.save_and_offload_only_these_names(
+            names_which_can_be_saved=[], names_which_can_be_offloaded=sorted(MAXTEXT_QKV_NAMES), **offload),
+        "full": lambda: cp.nothing_saveable,
+    }
+    return table[anchor.name]()

@@ -180,8 +180,199 @@ def calibrated_profile(base: DeviceProfile, cal: Calibration, *, name: str | Non
         transfer_latency_s=latency,
         source=note,
     )
+    p = keep_previous_sources(base, p, ("d2h_bytes_per_s", "h2d_bytes_per_s", "duplex_d2h_bytes_per_s",
+                                        "duplex_h2d_bytes_per_s", "transfer_latency_s"))
     if name is not None:
         import dataclasses
 
         p = dataclasses.replace(p, name=name)
     return p
+
+
+# -- from a profiler trace ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassFit:
+    """What the trace says about one op class (:data:`hloopt.devices.OP_CLASSES`)."""
+
+    op_class: str
+    #: op events of this class (executions), and distinct instructions among them
+    events: int
+    ops: int
+    #: summed over the events: measured seconds, FLOPs (+ transcendentals), bytes accessed
+    measured_s: float
+    flops: float
+    bytes: float
+    #: the base profile's roofline seconds for the same events (no efficiency applied)
+    roofline_s: float
+
+    @property
+    def efficiency(self) -> float:
+        """Roofline time / measured time: the share of the roofline rate this class reaches."""
+        return self.roofline_s / self.measured_s
+
+    @property
+    def achieved_flops_per_s(self) -> float:
+        return self.flops / self.measured_s
+
+    @property
+    def achieved_bytes_per_s(self) -> float:
+        return self.bytes / self.measured_s
+
+
+@dataclass(frozen=True)
+class TraceCalibration:
+    """Per-op-class fits and link rates from one profiler trace of one compiled module."""
+
+    #: the trace file read
+    trace: str
+    module: str
+    #: module runs (steps) in the trace, their wall seconds, and the op seconds inside each
+    step_wall_s: tuple[float, ...]
+    step_op_s: tuple[float, ...]
+    fits: tuple[ClassFit, ...]
+    #: op events of the module matched to an instruction / not matched (names)
+    matched_events: int
+    unmatched_ops: tuple[str, ...]
+    #: measured rates from the trace's copies; None where it has none in that direction
+    d2h_bytes_per_s: float | None
+    h2d_bytes_per_s: float | None
+    transfers: int
+
+
+def fit_trace(trace: Any, module: Any, base: DeviceProfile) -> TraceCalibration:
+    """Fit per-op-class efficiency from ``trace`` (:class:`hloopt.profile_trace.Trace`) of ``module``
+    (the compiled module that ran, parsed): each op event is matched by name to an instruction
+    whose FLOPs and bytes come from passes/cost.py, timed at the roofline of ``base``."""
+    import dataclasses
+
+    from hloopt.passes.cost import CostAnalysis, op_class
+    from hloopt.profile_trace import leaf_ops, ops_in_run
+
+    mine = [o for o in trace.ops if o.module == module.name]
+    if not mine:
+        seen = sorted({o.module for o in trace.ops})
+        raise UserError(f"{trace.path}: no op events of module {module.name!r} (the trace has "
+                        f"{', '.join(seen) or 'no op events'}); give the TARGET whose step was traced")
+    leaves = leaf_ops(mine)
+    runs = [r for r in trace.runs if ops_in_run(trace, r, leaves)]
+    plain = dataclasses.replace(base, compute_efficiency={})
+    cost = CostAnalysis(profile=plain).run(module)
+    insts = {i.name: i for c in module.computations.values() for i in c.instructions}
+    acc: dict[str, list[float]] = {}
+    names: dict[str, set[str]] = {}
+    unmatched: set[str] = set()
+    matched = 0
+    for o in leaves:
+        inst = insts.get(o.op)
+        if inst is None or o.op not in cost.per_instruction or o.dur_us <= 0:
+            unmatched.add(o.op)
+            continue
+        matched += 1
+        c = cost.of(inst).xla  # one execution (a loop body's instruction: one iteration)
+        cls = op_class(inst)
+        a = acc.setdefault(cls, [0, 0.0, 0.0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += o.dur_us * 1e-6
+        a[2] += c.flops + c.transcendentals
+        a[3] += c.bytes_accessed
+        a[4] += c.seconds
+        names.setdefault(cls, set()).add(o.op)
+    fits = tuple(ClassFit(k, int(v[0]), len(names[k]), v[1], v[2], v[3], v[4])
+                 for k, v in sorted(acc.items()) if v[1] > 0 and v[4] > 0)
+    rates = {}
+    for d in ("d2h", "h2d"):
+        ts = [t for t in trace.transfers if t.direction == d]
+        rates[d] = sum(t.bytes for t in ts) / (sum(t.dur_us for t in ts) * 1e-6) if ts else None
+    return TraceCalibration(
+        trace=str(trace.path), module=module.name,
+        step_wall_s=tuple(r.dur_us * 1e-6 for r in runs),
+        step_op_s=tuple(sum(o.dur_us for o in ops_in_run(trace, r, leaves)) * 1e-6 for r in runs),
+        fits=fits, matched_events=matched, unmatched_ops=tuple(sorted(unmatched)),
+        d2h_bytes_per_s=rates["d2h"], h2d_bytes_per_s=rates["h2d"], transfers=len(trace.transfers))
+
+
+def _previous(base: DeviceProfile, field_name: str) -> str:
+    """``base``'s figure for ``field_name`` and its source, for the ``<field>.previous`` entry."""
+    from hloopt.units import format_rate
+
+    v = getattr(base, field_name)
+    shown = format_rate(v) if field_name.endswith("bytes_per_s") else f"{v:g}"
+    return f"{shown} in {base.name}: {base.sources.get(field_name, 'no source given')}"
+
+
+def keep_previous_sources(base: DeviceProfile, profile: DeviceProfile, fields: Sequence[str]) -> DeviceProfile:
+    """``profile`` with ``sources["<field>.previous"]`` = ``base``'s figure and source, per field."""
+    import dataclasses
+
+    sources = dict(profile.sources)
+    for f in fields:
+        if getattr(base, f) != getattr(profile, f):
+            sources[f"{f}.previous"] = _previous(base, f)
+    return dataclasses.replace(profile, sources=sources)
+
+
+def trace_calibrated_profile(base: DeviceProfile, cal: TraceCalibration, *, name: str | None = None,
+                             when: _dt.datetime | None = None) -> DeviceProfile:
+    """``base`` with the fitted efficiencies, and the link rates where the trace measured them.
+
+    Every fitted number's source cites the trace, the date and the event counts; a replaced link
+    figure keeps the figure it replaced, with that figure's source, under ``<field>.previous``.
+    """
+    import dataclasses
+
+    from hloopt.units import format_rate
+
+    stamp = (when or _dt.datetime.now(_dt.timezone.utc)).strftime("%Y-%m-%d %H:%M UTC")
+    where = f"hloopt calibrate --profile ({cal.trace}, module {cal.module}, {len(cal.step_wall_s)} steps) at {stamp}"
+    sources = dict(base.sources)
+    eff = {}
+    for f in cal.fits:
+        eff[f.op_class] = f.efficiency
+        sources[f"compute_efficiency.{f.op_class}"] = (
+            f"MEASURED by {where}: {f.events} executions of {f.ops} {f.op_class} ops, {f.flops:.4g} FLOP and "
+            f"{f.bytes:.4g} B in {f.measured_s:.4g} s ({f.achieved_flops_per_s:.4g} FLOP/s, "
+            f"{format_rate(f.achieved_bytes_per_s)}); efficiency = {base.name} roofline time "
+            f"{f.roofline_s:.4g} s / measured time")
+    p = dataclasses.replace(base, compute_efficiency=eff, sources=sources)
+    if cal.d2h_bytes_per_s is not None or cal.h2d_bytes_per_s is not None:
+        p = p.with_overrides(d2h_bytes_per_s=cal.d2h_bytes_per_s, h2d_bytes_per_s=cal.h2d_bytes_per_s,
+                             source=f"MEASURED by {where}: {cal.transfers} MemcpyH2D/MemcpyD2H events, "
+                                    "bytes over summed copy time")
+        p = keep_previous_sources(base, p, ("d2h_bytes_per_s", "h2d_bytes_per_s", "duplex_d2h_bytes_per_s",
+                                            "duplex_h2d_bytes_per_s"))
+    else:
+        sources = dict(p.sources)
+        sources["host_link.calibration"] = (
+            f"NOT MEASURED by {where}: the trace has no MemcpyH2D/MemcpyD2H events (the CPU backend has no "
+            f"host<->device link); d2h/h2d/duplex figures and their sources are {base.name}'s")
+        p = dataclasses.replace(p, sources=sources)
+    return dataclasses.replace(p, name=name) if name is not None else p
+
+
+def compiled_module_for(target: Any) -> Any:
+    """The compiled module a trace's op events name: a JAX TARGET compiled on the current JAX
+    backend (what ran, compiled again: XLA names instructions deterministically), or an HLO file /
+    XLA dump after optimizations as it is. Parsed with hloopt's parser."""
+    from hloopt.hlo.parser import parse_module
+
+    if target.kind == "jax":
+        import jax
+
+        from hloopt.lowering import relative_paths
+
+        try:
+            compiled = jax.jit(target.step_fn).trace(*target.args, **dict(target.kwargs)).lower().compile()
+        except Exception as err:
+            raise UserError(f"{target.name}: compiling the step on {jax.default_backend()} failed: "
+                            f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+        text = relative_paths(compiled.as_text())
+    else:
+        assert target.text is not None
+        text = target.text
+    module = parse_module(text, filename=f"<{target.name}>")
+    if not module.is_scheduled:
+        raise UserError(f"{target.name}: the trace names instructions of the compiled module; give the "
+                        "optimized HLO (a dump's after_optimizations file) or a JAX TARGET")
+    return module

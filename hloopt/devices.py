@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 KINDS = ("tpu", "gpu")
+#: Op classes the cost model times separately (passes/cost.py ``op_class``) and calibration fits.
+OP_CLASSES = ("dot", "convolution", "reduction", "elementwise", "data_movement", "collective", "other")
 
 #: Integer byte-count fields.
 _BYTE_FIELDS = ("hbm_bytes", "host_memory_bytes")
@@ -108,11 +110,20 @@ class DeviceProfile:
     #: peak_memory_in_bytes counts that heap when it peaks above the HBM one (passes/memory.py).
     #: 0: not modeled.
     on_chip_heap_bytes: int = 0
+    #: Op class (:data:`OP_CLASSES`) -> measured roofline time / achieved time: the cost model
+    #: divides an op's roofline time by its class's entry (``hloopt calibrate --profile`` fits it
+    #: from a profiler trace). A class not listed runs at the roofline (1.0).
+    compute_efficiency: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Freeze the mappings so a shared built-in profile cannot be edited through one user.
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+        object.__setattr__(self, "compute_efficiency", MappingProxyType(dict(self.compute_efficiency)))
+
+    def efficiency(self, op_class: str) -> float:
+        """The fitted share of the roofline rate ops of ``op_class`` reach (1.0 when not fitted)."""
+        return float(self.compute_efficiency.get(op_class, 1.0))
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -316,6 +327,14 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Dev
     kw["description"] = desc
     if data.get("on_chip_heap_bytes", 0) not in (0, "0"):
         kw["on_chip_heap_bytes"] = _size(data["on_chip_heap_bytes"], "on_chip_heap_bytes", origin)
+    eff = data.get("compute_efficiency", {})
+    if not isinstance(eff, Mapping):
+        raise _field_error(origin, "compute_efficiency", "a table such as {dot = 0.6}", eff)
+    for k, v in eff.items():
+        if k not in OP_CLASSES:
+            raise UserError(f"{origin}: field 'compute_efficiency': unknown op class {k!r}; "
+                            f"known: {', '.join(OP_CLASSES)}")
+    kw["compute_efficiency"] = {str(k): _positive_float(v, f"compute_efficiency.{k}", origin) for k, v in eff.items()}
     profile = DeviceProfile(**kw)
     _check_consistency(profile, origin)
     return profile
@@ -437,6 +456,10 @@ def profile_to_toml(profile: DeviceProfile) -> str:
         lines.append(f"on_chip_heap_bytes = {d['on_chip_heap_bytes']}  # {format_bytes(d['on_chip_heap_bytes'])}")
     lines += ["", "[peak_flops_per_s]"]
     lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d["peak_flops_per_s"].items()]
+    if d["compute_efficiency"]:
+        lines += ["", "# measured roofline time / achieved time per op class (hloopt calibrate --profile)",
+                  "[compute_efficiency]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d["compute_efficiency"].items()]
     lines += ["", "[sources]"]
     lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d["sources"].items()]
     return "\n".join(lines) + "\n"

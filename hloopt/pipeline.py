@@ -709,18 +709,14 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
     )
 
 
-def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None,
-         max_slowdown: float | None = None, pareto: bool = False, platform: str | None = None,
-         compile: str | None = None, solver: str = "auto", time_limit_s: float = 10.0,
-         size: str | None = None, progress: Progress = _no_progress) -> PlanOutcome:
-    """Run the whole pipeline on a TARGET (see the module docstring)."""
-    from hloopt.search import search
-    from hloopt.simulator import simulate
-    from hloopt.targets import Target, resolve
+def analyze_target(tgt: Any, profile: DeviceProfile, *, platform: str | None = None,
+                   compile: str | None = None, progress: Progress = _no_progress) -> tuple[Analyzed, Problem]:
+    """The analyses and the Problem ``plan`` searches, for a resolved TARGET.
 
-    tgt = target if isinstance(target, Target) else resolve(target, size=size)
+    A JAX target is lowered with every residual saved, its residuals named by re-lowering with
+    one-name policies and its primitive rules probed; an HLO target is parsed as it is.
+    """
     names: dict[str, str] = {}
-    as_written = None
     if tgt.kind == "jax":
         from hloopt.passes.inline import inline_for_assignment
 
@@ -744,6 +740,21 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         with progress("checking what each primitive rule selects (re-lowering)"):
             problem = probe_rules(tgt, problem, names.values(), platform=platform or (
                 "tpu" if profile.kind == "tpu" else "cuda"))
+    return an, problem
+
+
+def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None,
+         max_slowdown: float | None = None, pareto: bool = False, platform: str | None = None,
+         compile: str | None = None, solver: str = "auto", time_limit_s: float = 10.0,
+         size: str | None = None, progress: Progress = _no_progress) -> PlanOutcome:
+    """Run the whole pipeline on a TARGET (see the module docstring)."""
+    from hloopt.search import search
+    from hloopt.simulator import simulate
+    from hloopt.targets import Target, resolve
+
+    tgt = target if isinstance(target, Target) else resolve(target, size=size)
+    as_written = None
+    an, problem = analyze_target(tgt, profile, platform=platform, compile=compile, progress=progress)
     baseline = simulate(problem, Decisions.all_device())
     budget_bytes, mode = resolve_mode(budget, max_slowdown, pareto, baseline.peak_bytes)
     t0 = time.perf_counter()

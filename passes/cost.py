@@ -33,7 +33,11 @@ the HLO text:
 Time of an instruction (roofline)::
 
     seconds = max((flops + transcendentals) / flops_per_s(dtype), bytes / hbm_bytes_per_s,
-                  collective_bytes / interconnect_bytes_per_s) + per_op_overhead_s
+                  collective_bytes / interconnect_bytes_per_s) / efficiency(op_class) + per_op_overhead_s
+
+``efficiency`` is the profile's fitted share of the roofline that ops of the class reach
+(``compute_efficiency``, from ``hloopt calibrate --profile``; 1.0 where not fitted, as in every
+built-in profile).
 
 with ``dtype`` the element type of a dot/convolution's lhs (inside a fusion: its first one),
 else of the output. A ``while``/``call``/``conditional`` takes the time of its callees' instructions
@@ -59,7 +63,8 @@ from hloopt.ir import Computation, Instruction, Module, Shape
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.loops import trip_count
 
-__all__ = ["Cost", "InstructionCost", "CostResult", "CostAnalysis", "trip_count", "dot_flops", "convolution_flops"]
+__all__ = ["Cost", "InstructionCost", "CostResult", "CostAnalysis", "trip_count", "dot_flops", "convolution_flops",
+           "op_class"]
 
 TRANSCENDENTAL = frozenset({
     "exponential", "exp", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh", "sine", "cosine",
@@ -159,6 +164,45 @@ class CostResult:
 
     def seconds(self, inst: Instruction | str) -> float:
         return self.of(inst).seconds
+
+
+# -- op classes ------------------------------------------------------------------------------
+
+_REDUCTIONS = frozenset({"reduce", "reduce-window", "select-and-scatter", "sort"})
+_DATA_MOVEMENT = frozenset({
+    "copy", "copy-start", "copy-done", "transpose", "broadcast", "reshape", "slice", "dynamic-slice",
+    "dynamic-update-slice", "concatenate", "pad", "gather", "scatter", "reverse", "iota", "tuple",
+})
+
+
+def op_class(inst: Instruction) -> str:
+    """The class (:data:`hloopt.devices.OP_CLASSES`) whose fitted efficiency times ``inst``.
+
+    A fusion takes the class of the heaviest kind of work it holds: a dot, else a convolution,
+    else a reduction, else elementwise work, else data movement (XLA CPU's ``__ynn_fusion`` of a
+    dot is a dot).
+    """
+    op = inst.opcode
+    if op == "fusion":
+        kinds = {op_class(x) for x in inst.called["calls"][0].instructions
+                 if x.opcode not in FREE and x.opcode != "parameter"}
+        for k in ("dot", "convolution", "reduction", "collective", "elementwise", "data_movement"):
+            if k in kinds:
+                return k
+        return "other"
+    if op == "dot":
+        return "dot"
+    if op == "convolution":
+        return "convolution"
+    if op in _REDUCTIONS:
+        return "reduction"
+    if op in COLLECTIVES:
+        return "collective"
+    if op in ELEMENTWISE or op in TRANSCENDENTAL or op in ("rng", "rng-bit-generator", "map"):
+        return "elementwise"
+    if op in _DATA_MOVEMENT:
+        return "data_movement"
+    return "other"
 
 
 # -- counting helpers ------------------------------------------------------------------------
@@ -311,7 +355,7 @@ class _Visitor:
         except UserError:
             return self.profile.flops_per_s("f32")
 
-    def _roofline(self, c: Cost, dtype: str) -> float:
+    def _roofline(self, c: Cost, dtype: str, inst: Instruction | None = None) -> float:
         if c.flops == 0 and c.transcendentals == 0 and c.bytes_accessed == 0 and c.collective_bytes == 0:
             return 0.0
         t = max(
@@ -319,6 +363,8 @@ class _Visitor:
             c.bytes_accessed / self.profile.hbm_bytes_per_s,
             c.collective_bytes / self.profile.interconnect_bytes_per_s,
         )
+        if inst is not None and self.profile.compute_efficiency:
+            t /= self.profile.efficiency(op_class(inst))
         return t + self.opts.per_op_overhead_s
 
     # -- computations ------------------------------------------------------------------------
@@ -457,7 +503,7 @@ class _Visitor:
             # Unknown work (XLA reports -1); count its bytes so its time is not zero.
             pass
         c = Cost(flops, trans, nbytes, coll)
-        return c.with_seconds(self._roofline(c, dtype))
+        return c.with_seconds(self._roofline(c, dtype, inst))
 
     # -- fusion --------------------------------------------------------------------------------
     def _fusion(self, inst: Instruction) -> Cost:
@@ -486,7 +532,7 @@ class _Visitor:
                 dtype = x.operands[0].shape.element_type
                 break
         c = Cost(inner.flops, inner.transcendentals, out_bytes + read + consts, inner.collective_bytes)
-        return c.with_seconds(self._roofline(c, dtype))
+        return c.with_seconds(self._roofline(c, dtype, inst))
 
     def _param_read_bytes(self, p: Instruction) -> int:
         if p.shape.is_tuple:

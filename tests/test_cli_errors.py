@@ -86,6 +86,7 @@ TARGET_COMMANDS = {
     "diff A": ["diff", "{t}", HLO],
     "diff B": ["diff", HLO, "{t}"],
     "verify": ["verify", "{t}", "--plan", "{plan}"],
+    "measure": ["measure", "{t}", "--device", "tpu-v5e", "-q"],
 }
 #: bad TARGET kind -> (TARGET template, what the line says)
 BAD_TARGETS = {
@@ -235,6 +236,12 @@ PLAN_HLO = ["plan", HLO, "--device", "tpu-v5e", "-q"]
     (["diff", HLO], "Missing argument 'B'"),
     (["calibrate", "--repeats", "1"], "Invalid value for '--repeats'"),
     (["calibrate", "--sizes", "12 GB?"], "'12 GB?': not a size"),
+    (["calibrate", "--profile", "fixtures"], "--profile DIR needs --target"),
+    (["calibrate", "--target", "fixtures/zoo/mlp.py:tiny"], "--target and --size go with --profile DIR"),
+    (["measure", HLO, "--steps", "0"], "Invalid value for '--steps'"),
+    (["measure", HLO, "--device", "tpu-v5e"], "an HLO file cannot be run"),
+    (["measure", "fixtures/zoo/mlp.py:tiny", "--policies", "none", "--device", "tpu-v5e"],
+     "nothing to measure: --policies none needs --plan"),
     (["nosuchcommand"], "No such command 'nosuchcommand'"),
     (["plan", "--nosuchoption"], "No such option '--nosuchoption'"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else "")

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "inspect": "inspect_cmd:inspect",
     "devices": "devices_cmd:devices",
     "calibrate": "calibrate_cmd:calibrate",
+    "measure": "measure_cmd:measure",
     "verify": "verify_cmd:verify",
     "emit": "emit_cmd:emit",
     "report": "report_cmd:report",

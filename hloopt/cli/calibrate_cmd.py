@@ -19,11 +19,33 @@ from hloopt.units import format_rate, format_seconds
               help="Transfer sizes to time (repeatable), e.g. --sizes 8MiB --sizes 256MiB.")
 @click.option("--repeats", type=click.IntRange(2, 100), default=5, show_default=True,
               help="Timed copies per size and direction.")
-def calibrate(base: str | None, out: str | None, sizes: tuple[int, ...], repeats: int) -> None:
-    """Time D2H and H2D copies alone and together on the default JAX device; fit latency + bandwidth."""
+@click.option("--profile", "trace_dir", default=None, metavar="DIR",
+              help="Fit per-op-class efficiency (and link rates, where it has copies) from a "
+                   "jax.profiler.trace(DIR) trace instead of timing copies.")
+@click.option("--target", "target", default=None, metavar="TARGET",
+              help="With --profile: the step that was traced (file.py:factory, compiled again on this "
+                   "backend), or its optimized HLO (a dump folder or after_optimizations file).")
+@click.option("--size", default=None, help="With --profile: size passed to a zoo factory.")
+def calibrate(base: str | None, out: str | None, sizes: tuple[int, ...], repeats: int, trace_dir: str | None,
+              target: str | None, size: str | None) -> None:
+    """Time D2H and H2D copies alone and together on the default JAX device; fit latency + bandwidth.
+
+    With --profile DIR: read the profiler trace there instead, fit how close each op class
+    (dot, convolution, reduction, elementwise...) comes to the base profile's roofline, and take
+    the link's rates from the trace's host<->device copies where it has any.
+    """
     from hloopt.calibrate import DEFAULT_SIZES_BYTES, calibrated_profile, measure_link
     from hloopt.devices import load_profile, write_profile
 
+    if trace_dir is not None:
+        with user_errors():
+            _from_trace(trace_dir, target, size, base, out)
+        return
+    if target is not None or size is not None:
+        with user_errors():
+            from hloopt.errors import UserError
+
+            raise UserError("--target and --size go with --profile DIR")
     with user_errors():
         cal = measure_link(sizes_bytes=sizes or DEFAULT_SIZES_BYTES, repeats=repeats)
         profile = load_profile(base or _guess_base(cal.device_kind))
@@ -35,6 +57,42 @@ def calibrate(base: str | None, out: str | None, sizes: tuple[int, ...], repeats
         if out:
             write_profile(profile, Path(out))
             click.echo(f"wrote {out}")
+
+
+def _from_trace(trace_dir: str, target: str | None, size: str | None, base: str | None, out: str | None) -> None:
+    from hloopt.calibrate import compiled_module_for, fit_trace, trace_calibrated_profile
+    from hloopt.devices import load_profile, write_profile
+    from hloopt.errors import UserError
+    from hloopt.profile_trace import read_trace
+    from hloopt.targets import resolve
+    from hloopt.units import format_rate, format_seconds
+
+    if target is None:
+        raise UserError("--profile DIR needs --target: the step that was traced (its compiled module names the ops)")
+    if base is None:
+        import hloopt.lowering  # noqa: F401  (JAX_PLATFORMS before jax starts)
+        import jax
+
+        base = _guess_base(str(jax.devices()[0].device_kind))
+    trace = read_trace(trace_dir)
+    module = compiled_module_for(resolve(target, size=size, stage="after"))
+    profile = load_profile(base)
+    cal = fit_trace(trace, module, profile)
+    profile = trace_calibrated_profile(profile, cal, name=f"{profile.name}-calibrated")
+    click.echo(f"{cal.trace}: {len(cal.step_wall_s)} runs of {cal.module}, {cal.matched_events} op events matched"
+               + (f", {len(cal.unmatched_ops)} op names not in the module" if cal.unmatched_ops else ""))
+    for f in cal.fits:
+        click.echo(f"  {f.op_class:<14} {f.events:>5} events  {format_seconds(f.measured_s):>9}  "
+                   f"{f.achieved_flops_per_s:.3g} FLOP/s  {format_rate(f.achieved_bytes_per_s):>10}  "
+                   f"efficiency {f.efficiency:.3g} of {profile.name.removesuffix('-calibrated')}'s roofline")
+    if cal.d2h_bytes_per_s is None and cal.h2d_bytes_per_s is None:
+        click.echo("  host link: no host<->device copies in the trace; the base profile's figures are kept")
+    else:
+        click.echo(f"  host link: D2H {format_rate(cal.d2h_bytes_per_s) if cal.d2h_bytes_per_s else '-'}, "
+                   f"H2D {format_rate(cal.h2d_bytes_per_s) if cal.h2d_bytes_per_s else '-'}")
+    if out:
+        write_profile(profile, Path(out))
+        click.echo(f"wrote {out}")
 
 
 def _guess_base(device_kind: str) -> str:

@@ -1,0 +1,229 @@
+"""``hloopt calibrate --profile``: a trace recorded here on the CPU backend, parsed, fitted, written, loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hloopt.calibrate import (Calibration, LinkFit, TraceCalibration, calibrated_profile, fit_trace,
+                              trace_calibrated_profile)
+from hloopt.cli import cli
+from hloopt.devices import load_profile
+from hloopt.profile_trace import OpEvent, Trace, Transfer, leaf_ops, read_trace
+
+ZOO = Path(__file__).resolve().parent.parent / "fixtures" / "zoo"
+MLP = f"{ZOO / 'mlp.py'}:tiny"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny MLP step run STEPS times under jax.profiler.trace on the CPU backend."""
+    import jax
+
+    from hloopt.measure import materialize
+    from hloopt.targets import resolve
+
+    t = resolve(MLP)
+    args = materialize(tuple(t.args))
+    f = jax.jit(t.step_fn)
+    jax.block_until_ready(f(*args))  # compile outside the trace
+    where = tmp_path_factory.mktemp("trace")
+    with jax.profiler.trace(str(where)):
+        for _ in range(STEPS):
+            jax.block_until_ready(f(*args))
+    return where
+
+
+@pytest.mark.slow
+def test_trace_ops_add_up_within_each_step(recorded: Path) -> None:
+    from hloopt.calibrate import compiled_module_for
+    from hloopt.targets import resolve
+
+    trace = read_trace(recorded)
+    assert trace.path.name.endswith(".trace.json.gz")
+    module = compiled_module_for(resolve(MLP))
+    cal = fit_trace(trace, module, load_profile("h200"))
+    # one module run per step we ran, each timed by the trace's own module event
+    assert len(cal.step_wall_s) == STEPS
+    for wall, ops in zip(cal.step_wall_s, cal.step_op_s):
+        assert 0 < ops <= wall
+    # every op event names an instruction of the compiled module, and each step ran them all
+    assert cal.unmatched_ops == ()
+    assert cal.matched_events % STEPS == 0 and cal.matched_events > 0
+
+
+@pytest.mark.slow
+def test_calibrated_profile_loads_and_dot_efficiency_is_physical(recorded: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cpu.toml"
+    res = CliRunner().invoke(cli, ["calibrate", "--profile", str(recorded), "--target", MLP, "--base", "h200",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    p = load_profile(out)
+    base = load_profile("h200")
+    assert p.name == "h200-calibrated"
+    eff = p.compute_efficiency["dot"]
+    # this CPU does not beat an H200's tensor cores, and no CPU reaches 10 TFLOP/s in f32
+    assert 0 < eff < 1
+    assert 0 < eff * base.flops_per_s("f32") < 1e13
+    src = p.sources["compute_efficiency.dot"]
+    assert src.startswith("MEASURED") and str(recorded) in src and f"{STEPS} steps" in src
+    # no copies on the CPU backend: the link keeps the base's figures and sources, and says so
+    assert (p.d2h_bytes_per_s, p.h2d_bytes_per_s) == (base.d2h_bytes_per_s, base.h2d_bytes_per_s)
+    assert p.sources["d2h_bytes_per_s"] == base.sources["d2h_bytes_per_s"]
+    assert "NOT MEASURED" in p.sources["host_link.calibration"]
+    assert "no host<->device copies" in res.output
+
+
+@pytest.mark.slow
+def test_cost_model_with_the_fit_reproduces_the_measured_class_times(recorded: Path) -> None:
+    """The cost model divides each op's roofline by its class's efficiency: summed over the trace's
+    events, the calibrated profile predicts exactly the measured time per class."""
+    from hloopt.calibrate import compiled_module_for
+    from hloopt.passes.cost import CostAnalysis, op_class
+    from hloopt.targets import resolve
+
+    trace = read_trace(recorded)
+    module = compiled_module_for(resolve(MLP))
+    base = load_profile("h200")
+    cal = fit_trace(trace, module, base)
+    fitted = trace_calibrated_profile(base, cal)
+    cost = CostAnalysis(profile=fitted).run(module)
+    insts = {i.name: i for c in module.computations.values() for i in c.instructions}
+    predicted: dict[str, float] = {}
+    for o in leaf_ops(trace.ops):
+        cls = op_class(insts[o.op])
+        predicted[cls] = predicted.get(cls, 0.0) + cost.of(o.op).xla.seconds
+    for f in cal.fits:
+        assert predicted[f.op_class] == pytest.approx(f.measured_s, rel=1e-9)
+    assert {f.op_class for f in cal.fits} >= {"dot", "elementwise"}
+
+
+def _trace_file(tmp_path: Path, events: list[dict]) -> Path:  # type: ignore[type-arg]
+    run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+    run.mkdir(parents=True)
+    path = run / "host.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def test_copies_in_a_trace_become_the_link_rates_and_keep_the_previous_source(tmp_path: Path) -> None:
+    """Hand-written events in XLA's CUPTI format: 2 MB D2H in 100 us + 2 MB in 100 us -> 20 GB/s;
+    1 MB H2D in 40 us -> 25 GB/s."""
+    detail = "kind_src:{} kind_dst:{} size:{} dest:0 async:1"
+    events = [
+        {"ph": "X", "pid": 1, "tid": 2, "ts": 0, "dur": 100, "name": "MemcpyD2H",
+         "args": {"memcpy_details": detail.format("device", "pinned", 2_000_000)}},
+        {"ph": "X", "pid": 1, "tid": 2, "ts": 200, "dur": 100, "name": "MemcpyD2H",
+         "args": {"memcpy_details": detail.format("device", "pinned", 2_000_000)}},
+        {"ph": "X", "pid": 1, "tid": 3, "ts": 0, "dur": 40, "name": "MemcpyH2D",
+         "args": {"memcpy_details": detail.format("pinned", "device", 1_000_000)}},
+    ]
+    trace = read_trace(_trace_file(tmp_path, events).parent.parent.parent.parent)
+    assert sorted((t.direction, t.bytes) for t in trace.transfers) == [("d2h", 2_000_000), ("d2h", 2_000_000),
+                                                                       ("h2d", 1_000_000)]
+    cal = TraceCalibration(trace=str(trace.path), module="jit_step", step_wall_s=(), step_op_s=(), fits=(),
+                           matched_events=0, unmatched_ops=(), d2h_bytes_per_s=20e9, h2d_bytes_per_s=25e9,
+                           transfers=3)
+    base = load_profile("tpu-v5e")
+    p = trace_calibrated_profile(base, cal, when=dt.datetime(2026, 1, 2, tzinfo=dt.timezone.utc))
+    assert (p.d2h_bytes_per_s, p.h2d_bytes_per_s) == (20e9, 25e9)
+    assert p.sources["d2h_bytes_per_s"].startswith("MEASURED") and "2026-01-02" in p.sources["d2h_bytes_per_s"]
+    prev = p.sources["d2h_bytes_per_s.previous"]
+    assert prev.startswith("15.0 GB/s in tpu-v5e: ") and base.sources["d2h_bytes_per_s"] in prev
+    assert "host_link.calibration" not in p.sources
+
+
+def test_fit_trace_rates_from_copies_hand_computed(tmp_path: Path) -> None:
+    from hloopt.hlo.parser import parse_module
+
+    text = """HloModule jit_f, is_scheduled=true
+
+ENTRY %main (p: f32[64,64]) -> f32[64,64] {
+  %p = f32[64,64]{1,0} parameter(0)
+  ROOT %dot = f32[64,64]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    module = parse_module(text)
+    trace = Trace(tmp_path, ops=(OpEvent("jit_f", "dot", 10.0, 5.0, 1, 1),),
+                  runs=(), transfers=(Transfer("d2h", 1000, 1.0), Transfer("d2h", 3000, 1.0)))
+    cal = fit_trace(trace, module, load_profile("h200"))
+    assert cal.d2h_bytes_per_s == pytest.approx(4000 / 2e-6) and cal.h2d_bytes_per_s is None
+    (f,) = cal.fits
+    assert f.op_class == "dot" and f.flops == 2 * 64 * 64 * 64 and f.measured_s == pytest.approx(5e-6)
+    h200 = load_profile("h200")
+    # the roofline of this small dot on an H200 is its bytes (two reads, one write of 16 KiB), not its FLOPs
+    assert f.bytes == 3 * 64 * 64 * 4
+    roofline_s = max(f.flops / h200.flops_per_s("f32"), f.bytes / h200.hbm_bytes_per_s)
+    assert roofline_s == f.bytes / h200.hbm_bytes_per_s
+    assert f.efficiency == pytest.approx(roofline_s / 5e-6)
+
+
+def test_leaf_ops_drop_an_enclosing_loop_event() -> None:
+    loop = OpEvent("m", "while", 0.0, 10.0, 1, 1)
+    body = [OpEvent("m", "a", 1.0, 3.0, 1, 1), OpEvent("m", "b", 5.0, 4.0, 1, 1)]
+    other_thread = OpEvent("m", "c", 2.0, 1.0, 1, 2)
+    assert sorted(o.op for o in leaf_ops([loop, *body, other_thread])) == ["a", "b", "c"]
+
+
+def test_link_calibration_keeps_the_previous_figure_and_source() -> None:
+    cal = Calibration(device_kind="TPU v5 lite", platform="tpu", d2h=LinkFit(8e-6, 14e9), h2d=LinkFit(12e-6, 13e9),
+                      duplex_d2h_bytes_per_s=13e9, duplex_h2d_bytes_per_s=20e9, pinned_host=True,
+                      samples=(("d2h", 1 << 20, 1e-4), ("d2h", 1 << 30, 1e-1)))
+    base = load_profile("v5e")
+    p = calibrated_profile(base, cal)
+    assert p.sources["h2d_bytes_per_s.previous"] == f"15.0 GB/s in tpu-v5e: {base.sources['h2d_bytes_per_s']}"
+    assert p.sources["transfer_latency_s.previous"].startswith("1e-05 in tpu-v5e: ASSUMPTION")
+    # and the file round-trips with those entries
+    from hloopt.devices import profile_from_dict, profile_to_toml
+    import tomllib
+
+    assert profile_from_dict(tomllib.loads(profile_to_toml(p))) == p
+
+
+def test_profile_dir_without_a_trace_is_one_line_exit_2(tmp_path: Path) -> None:
+    res = CliRunner().invoke(cli, ["calibrate", "--profile", str(tmp_path), "--target", MLP, "--base", "h200"])
+    assert res.exit_code == 2
+    assert "no profiler trace found" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_efficiency_table_validates() -> None:
+    from hloopt.errors import UserError
+    from hloopt.devices import profile_from_dict
+
+    d = load_profile("h200").to_dict()
+    assert profile_from_dict({**d, "compute_efficiency": {"dot": 0.5}}).efficiency("dot") == 0.5
+    assert profile_from_dict(d).efficiency("dot") == 1.0
+    with pytest.raises(UserError, match="unknown op class 'matmul'"):
+        profile_from_dict({**d, "compute_efficiency": {"matmul": 0.5}})
+    with pytest.raises(UserError, match="compute_efficiency.dot"):
+        profile_from_dict({**d, "compute_efficiency": {"dot": 0}})
+    assert dataclasses.replace(load_profile("h200")).compute_efficiency == {}
+
+
+@pytest.mark.slow
+def test_a_profile_fitted_here_predicts_this_machines_step_time(recorded: Path) -> None:
+    """The loop closed: fitted from a trace of the step on this CPU, the profile predicts the step
+    (from the compiled module, as the trace's ops are) near what `hloopt measure` then times. The
+    built-in profile misses by orders of magnitude (an H200 is not this CPU)."""
+    from hloopt.calibrate import compiled_module_for
+    from hloopt.measure import measure
+    from hloopt.targets import resolve
+
+    base = load_profile("h200")
+    cal = fit_trace(read_trace(recorded), compiled_module_for(resolve(MLP)), base)
+    fitted = trace_calibrated_profile(base, cal)
+    m = measure(MLP, profile=fitted, compile="cpu", steps=7, warmup=2)
+    row = next(r for r in m.rows if r.name == "everything_saveable")
+    ratio = row.predicted_step_time_s / row.measured.median_s
+    assert 1 / 3 < ratio < 3, (row.predicted_step_time_s, row.measured)
+    plain = measure(MLP, profile=base, compile="cpu", steps=1, warmup=0, policies="builtin")
+    row0 = next(r for r in plain.rows if r.name == "everything_saveable")
+    assert row0.predicted_step_time_s < row.predicted_step_time_s / 10

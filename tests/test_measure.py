@@ -1,0 +1,205 @@
+"""hloopt.measure and ``hloopt measure``: steps run on the CPU backend, checked against outside clocks and XLA."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hloopt.cli import cli
+from hloopt.devices import load_profile
+from hloopt.measure import SCHEMA, StepTimes, _kendall_tau, materialize, measure, time_steps
+
+ZOO = Path(__file__).resolve().parent.parent / "fixtures" / "zoo"
+MLP = f"{ZOO / 'mlp.py'}:tiny"
+LLAMA = f"{ZOO / 'llama.py'}:tiny"
+
+
+def test_step_times_summary_is_numpy_quantiles() -> None:
+    import numpy as np
+
+    xs = (0.5, 0.1, 0.4, 0.2, 0.3, 0.9)
+    st = StepTimes(xs)
+    assert st.median_s == pytest.approx(float(np.median(xs)))
+    assert (st.q1_s, st.q3_s) == pytest.approx((float(np.quantile(xs, 0.25)), float(np.quantile(xs, 0.75))))
+    assert (st.min_s, st.max_s) == (0.1, 0.9)
+
+
+def test_kendall_tau_hand_computed() -> None:
+    assert _kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert _kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
+    # pairs (1,2) agree, (1,3) agree, (2,3) disagree: (2 - 1) / 3
+    assert _kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
+def test_time_steps_counts_and_brackets_a_known_sleep() -> None:
+    """A step that sleeps 20 ms on the host (pure_callback): every timed step takes at least that,
+    there are exactly N of them, and together they fit in the wall time around the call."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    calls = []
+
+    def sleepy(x: np.ndarray) -> np.ndarray:
+        calls.append(1)
+        time.sleep(0.02)
+        return x
+
+    f = jax.jit(lambda x: jax.pure_callback(sleepy, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1)
+    x = jnp.ones((4,))
+    jax.block_until_ready(f(x))
+    calls.clear()
+    t0 = time.perf_counter()
+    st = time_steps(f, (x,), {}, steps=5, warmup=2)
+    wall = time.perf_counter() - t0
+    assert len(st.times_s) == 5 and len(calls) == 7
+    assert st.min_s >= 0.02
+    assert sum(st.times_s) <= wall
+
+
+def test_materialize_keeps_shape_dtype_sharding_and_is_seeded() -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    tree = {"w": jax.ShapeDtypeStruct((4, 6), jnp.bfloat16),
+            "i": jax.ShapeDtypeStruct((8,), jnp.int32),
+            "s": jax.ShapeDtypeStruct((8, 2), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("d"))),
+            "keep": jnp.arange(3)}
+    a, b = materialize(tree, seed=3), materialize(tree, seed=3)
+    assert a["w"].dtype == jnp.bfloat16 and a["w"].shape == (4, 6)
+    assert np.array_equal(np.asarray(a["w"], np.float32), np.asarray(b["w"], np.float32))
+    assert float(jnp.std(a["w"].astype(jnp.float32))) > 0.1  # random, not zeros
+    assert not np.any(np.asarray(a["i"]))
+    assert a["s"].sharding == tree["s"].sharding and len(a["s"].addressable_shards) == 2
+    assert a["keep"] is tree["keep"]
+
+
+@pytest.fixture(scope="module")
+def mlp_measured():  # type: ignore[no-untyped-def]
+    return measure(MLP, profile=load_profile("tpu-v5e"), steps=4, warmup=1)
+
+
+@pytest.mark.slow
+def test_builtin_policies_run_and_rank(mlp_measured) -> None:  # type: ignore[no-untyped-def]
+    from hloopt.anchors import ANCHORS, expressible
+    from hloopt.pipeline import analyze_target, run_anchors
+    from hloopt.targets import resolve
+
+    m = mlp_measured
+    ran = [r for r in m.rows if r.measured is not None]
+    # the program names only "mlpwi": MaxText's "full" applies, its name presets do not
+    _, problem = analyze_target(resolve(MLP), load_profile("tpu-v5e"))
+    expected = {a.name for a in ANCHORS if expressible(a, problem)}
+    assert {r.name for r in m.rows} == expected
+    assert {r.name for r in ran} == expected, [r.error for r in m.rows]
+    for r in ran:
+        assert len(r.measured.times_s) == 4
+        assert all(math.isfinite(t) and t > 0 for t in r.measured.times_s)
+        assert r.measured.min_s <= r.measured.median_s <= r.measured.max_s
+    assert sorted(r.predicted_rank for r in ran) == list(range(1, len(ran) + 1))
+    assert sorted(r.measured_rank for r in ran) == list(range(1, len(ran) + 1))
+    fastest = min(ran, key=lambda r: r.measured.median_s)
+    assert fastest.measured_rank == 1
+    # the predictions are the anchors table of `hloopt plan` (one simulator)
+    anchors = {a.name: a for a in run_anchors(problem)}
+    for r in m.rows:
+        assert r.predicted_step_time_s == anchors[r.name].step_time_s
+        assert r.predicted_peak_bytes == anchors[r.name].peak_bytes
+    assert m.platform == "cpu" and m.device_peak_note and "None" in m.device_peak_note
+    assert all(r.device_peak_bytes is None for r in ran)
+    assert all(r.host_peak_rss_bytes and r.host_peak_rss_bytes > 0 for r in ran)
+
+
+@pytest.mark.slow
+def test_policy_reaches_the_step_saving_nothing_needs_fewer_temporaries() -> None:
+    """Llama (scanned layers): XLA's own temporaries for the step with nothing saved are below those
+    with everything saved, and each row's figure is what compiling that policy's step says."""
+    import jax
+
+    from hloopt.targets import resolve
+
+    m = measure(LLAMA, profile=load_profile("tpu-v5e"), steps=2, warmup=0)
+    rows = {r.name: r for r in m.rows if r.measured is not None}
+    cp = jax.checkpoint_policies
+    for name, pol in (("nothing_saveable", cp.nothing_saveable), ("everything_saveable", cp.everything_saveable),
+                      ("dots_saveable", cp.dots_saveable)):
+        t = resolve(LLAMA, factory_kwargs={"policy": pol})
+        xla = jax.jit(t.step_fn).trace(*t.args).lower().compile().memory_analysis().temp_size_in_bytes
+        assert rows[name].compiled_temp_bytes == xla
+    assert rows["nothing_saveable"].compiled_temp_bytes < rows["dots_saveable"].compiled_temp_bytes \
+        < rows["everything_saveable"].compiled_temp_bytes
+    # MaxText's presets apply to llama (it uses MaxText's names)
+    assert {"minimal", "full"} <= set(rows)
+
+
+@pytest.mark.slow
+def test_budget_leaves_out_policies_predicted_over_it() -> None:
+    m = measure(MLP, profile=load_profile("tpu-v5e"), steps=1, warmup=0, budget="1KiB")
+    assert m.rows and all(r.measured is None and r.skipped and "over the budget 1024 B" in r.skipped
+                          for r in m.rows)
+    assert m.rank_agreement is None
+
+
+@pytest.mark.slow
+def test_cli_json_schema_is_stable() -> None:
+    res = CliRunner().invoke(cli, ["measure", MLP, "--steps", "3", "--warmup", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert d["schema"] == SCHEMA == 1
+    assert set(d) == {"schema", "target", "device", "profile", "steps", "warmup", "budget_bytes",
+                      "device_peak_note", "rank_agreement", "notes", "rows"}
+    assert d["steps"] == 3 and d["device"]["platform"] == "cpu" and d["profile"] == "tpu-v5e"
+    assert any("predictions use tpu-v5e" in n for n in d["notes"])
+    for row in d["rows"]:
+        assert set(row) == {"name", "kind", "code", "predicted", "measured", "skipped", "error"}
+        assert set(row["predicted"]) == {"step_time_s", "peak_bytes", "rank"}
+        assert set(row["measured"]) == {"step_time_s", "times_s", "device_peak_bytes", "device_peak_is_own",
+                                        "host_peak_rss_bytes", "compiled_temp_bytes", "rank"}
+        assert set(row["measured"]["step_time_s"]) == {"median", "min", "max", "q1", "q3"}
+        assert len(row["measured"]["times_s"]) == 3
+
+
+def test_cli_rejects_an_hlo_target_in_one_line() -> None:
+    res = CliRunner().invoke(cli, ["measure", str(ZOO.parent / "hlo" / "zoo" / "mlp.cpu-compiled.hlo"),
+                                   "--device", "tpu-v5e"])
+    assert res.exit_code == 2
+    assert "cannot be run" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_plan_row_carries_the_plans_prediction_and_runs_its_policy(tmp_path: Path) -> None:
+    """A plan from `hloopt plan` is measured with its own policy and device; its predicted numbers are
+    the plan file's, and the anchors over the plan's budget are left out."""
+    from hloopt import pipeline
+    from hloopt.plan import Plan
+
+    out = pipeline.plan(LLAMA, profile=load_profile("tpu-v5e"), budget="97%")
+    path = tmp_path / "plan.json"
+    path.write_text(out.plan.to_json())
+    plan = Plan.load(path)
+    res = CliRunner().invoke(cli, ["measure", LLAMA, "--plan", str(path), "--steps", "2", "--warmup", "0", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert d["profile"] == "tpu-v5e" and d["budget_bytes"] == plan.budget.bytes
+    rows = {r["name"]: r for r in d["rows"]}
+    assert rows["plan"]["kind"] == "plan"
+    assert rows["plan"]["predicted"]["step_time_s"] == plan.predicted.step_time_s
+    assert rows["plan"]["predicted"]["peak_bytes"] == plan.predicted.peak_bytes
+    assert len(rows["plan"]["measured"]["times_s"]) == 2
+    anchors = {a.name: a for a in out.anchors}
+    for name, r in rows.items():
+        if name == "plan":
+            continue
+        over = anchors[name].peak_bytes > plan.budget.bytes
+        assert (r["measured"] is None) == over
+        if over:
+            assert "over the budget" in r["skipped"]
+    assert any(r["skipped"] for r in rows.values())  # everything_saveable is over 97% of its own peak
