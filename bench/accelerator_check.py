@@ -39,10 +39,10 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    import hloopt.lowering  # noqa: F401  (before jax)
     import jax
 
-    from hloopt.calibrate import (compiled_module_for, fit_trace, measure_link, trace_calibrated_profile)
+    import hloopt.lowering  # noqa: F401  (before jax)
+    from hloopt.calibrate import compiled_module_for, fit_trace, measure_link, trace_calibrated_profile
     from hloopt.cli.calibrate_cmd import _guess_base
     from hloopt.devices import load_profile, write_profile
     from hloopt.measure import materialize, measure

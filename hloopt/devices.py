@@ -330,7 +330,7 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Dev
     eff = data.get("compute_efficiency", {})
     if not isinstance(eff, Mapping):
         raise _field_error(origin, "compute_efficiency", "a table such as {dot = 0.6}", eff)
-    for k, v in eff.items():
+    for k in eff:
         if k not in OP_CLASSES:
             raise UserError(f"{origin}: field 'compute_efficiency': unknown op class {k!r}; "
                             f"known: {', '.join(OP_CLASSES)}")

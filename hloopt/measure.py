@@ -10,9 +10,9 @@ the machine falls on all of them alike), and we report
 * the median and spread (min, max, first and third quartile) of the timed steps;
 * the device's peak bytes in use (``device.memory_stats()["peak_bytes_in_use"]``) where the backend
   keeps them; the CPU backend returns ``None``, and the row says so;
-* the process's peak resident host memory while the row compiled and ran its untimed steps (``VmHWM`` of ``/proc/self/status``, reset
-  per row by writing ``5`` to ``/proc/self/clear_refs``): on the CPU backend this is where the
-  step's buffers live;
+* the process's peak resident host memory while the row compiled and ran its untimed steps
+  (``VmHWM`` of ``/proc/self/status``, reset per row by writing ``5`` to
+  ``/proc/self/clear_refs``): on the CPU backend this is where the step's buffers live;
 * the compiled step's ``memory_analysis()`` temporaries, XLA's own figure for the policy;
 
 next to what the one simulator predicts (:func:`hloopt.simulator.simulate` over the Problem that
@@ -155,11 +155,16 @@ class Measurement:
 def _step_with_policy(target: Any, policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
     """``(step_fn, args, kwargs)`` of ``target`` with every ``jax.checkpoint`` taking ``policy``.
 
-    The one place a policy reaches a step: today by re-calling the target's factory with
-    ``policy=`` (:meth:`hloopt.targets.Target.rebuild`).
+    The one place a policy reaches a step: a factory that declares ``policy=`` is called again
+    with it (:meth:`hloopt.targets.Target.rebuild`); any other step traces under the policy
+    (:func:`hloopt.apply.apply_policy`), so code that never exposes its policy is measured too.
     """
-    t = target.rebuild(policy=policy)
-    return t.step_fn, tuple(t.args), dict(t.kwargs)
+    if target.takes_policy:
+        t = target.rebuild(policy=policy)
+        return t.step_fn, tuple(t.args), dict(t.kwargs)
+    from hloopt.apply import apply_policy
+
+    return apply_policy(policy, target.step_fn), tuple(target.args), dict(target.kwargs)
 
 
 def materialize(tree: Any, *, seed: int = 0) -> Any:
@@ -262,8 +267,8 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     :class:`~hloopt.plan.Plan` or a plan file; ``policies`` ``"builtin"`` or ``"none"`` (the plan
     only). ``budget`` (a size or a share of the all-saved predicted peak, default the plan's)
     leaves out anchors predicted over it. ``compile`` (``cpu``, ``tpu-v5e``...) predicts from the
-    compiler's scheduled module, as ``hloopt plan --compile`` does. Each policy runs at least one untimed step (its memory
-    is read after it), ``max(warmup, 1)`` in all.
+    compiler's scheduled module, as ``hloopt plan --compile`` does. Each policy runs at least one
+    untimed step (its memory is read after it), ``max(warmup, 1)`` in all.
     """
     import contextlib
 
@@ -285,7 +290,8 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
         raise UserError(f"{tgt.name}: measure runs a JAX step (file.py:factory); an HLO file cannot be run")
     plan_obj = None
     if plan is not None:
-        from hloopt.emit import load_plan, policy as plan_policy
+        from hloopt.emit import load_plan
+        from hloopt.emit import policy as plan_policy
 
         plan_obj = load_plan(plan)
     if policies == "none" and plan_obj is None:
@@ -314,7 +320,8 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
             cands.append(_Candidate(a.name, a.kind, a.code, policy_object(a, names), r.step_time_s, r.peak_bytes))
 
     dev = jax.devices()[0]
-    args = kwargs = None
+    args: Any = None
+    kwargs: Any = None
     rows: list[PolicyRow] = []
     note: str | None = None
     last_peak = -1
@@ -325,8 +332,9 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     # whenever the predictions order the rows right (see the module docstring).
     ready: list[tuple[dict[str, Any], Any, dict[str, Any]]] = []  # (row fields, compiled, memory fields)
     for c in sorted(cands, key=lambda c: (c.predicted_peak_bytes, c.name)):
-        base = dict(name=c.name, kind=c.kind, code=c.code, predicted_step_time_s=c.predicted_step_time_s,
-                    predicted_peak_bytes=c.predicted_peak_bytes)
+        base: dict[str, Any] = dict(name=c.name, kind=c.kind, code=c.code,
+                                    predicted_step_time_s=c.predicted_step_time_s,
+                                    predicted_peak_bytes=c.predicted_peak_bytes)
         if budget_bytes is not None and c.kind != "plan" and c.predicted_peak_bytes > budget_bytes:
             rows.append(PolicyRow(**base, skipped=f"predicted peak {c.predicted_peak_bytes} B is over the "
                                                   f"budget {budget_bytes} B"))
@@ -378,8 +386,8 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
 
     rows = _ranked(rows)
     ran = [r for r in rows if r.measured is not None]
-    tau = _kendall_tau([r.predicted_step_time_s for r in ran], [r.measured.median_s for r in ran]) \
-        if len(ran) >= 2 else None  # type: ignore[union-attr]
+    tau = _kendall_tau([r.predicted_step_time_s for r in ran],
+                       [r.measured.median_s for r in ran if r.measured is not None]) if len(ran) >= 2 else None
     return Measurement(target=tgt.name, device_kind=str(dev.device_kind), platform=str(dev.platform),
                        profile=profile.name, steps=steps, warmup=warmup, budget_bytes=budget_bytes,
                        rows=tuple(rows), device_peak_note=note, rank_agreement=tau, notes=tuple(notes))

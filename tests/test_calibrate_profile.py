@@ -11,8 +11,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hloopt.calibrate import (Calibration, LinkFit, TraceCalibration, calibrated_profile, fit_trace,
-                              trace_calibrated_profile)
+from hloopt.calibrate import (
+    Calibration,
+    LinkFit,
+    TraceCalibration,
+    calibrated_profile,
+    fit_trace,
+    trace_calibrated_profile,
+)
 from hloopt.cli import cli
 from hloopt.devices import load_profile
 from hloopt.profile_trace import OpEvent, Trace, Transfer, leaf_ops, read_trace
@@ -182,8 +188,9 @@ def test_link_calibration_keeps_the_previous_figure_and_source() -> None:
     assert p.sources["h2d_bytes_per_s.previous"] == f"15.0 GB/s in tpu-v5e: {base.sources['h2d_bytes_per_s']}"
     assert p.sources["transfer_latency_s.previous"].startswith("1e-05 in tpu-v5e: ASSUMPTION")
     # and the file round-trips with those entries
-    from hloopt.devices import profile_from_dict, profile_to_toml
     import tomllib
+
+    from hloopt.devices import profile_from_dict, profile_to_toml
 
     assert profile_from_dict(tomllib.loads(profile_to_toml(p))) == p
 
@@ -195,8 +202,8 @@ def test_profile_dir_without_a_trace_is_one_line_exit_2(tmp_path: Path) -> None:
 
 
 def test_efficiency_table_validates() -> None:
-    from hloopt.errors import UserError
     from hloopt.devices import profile_from_dict
+    from hloopt.errors import UserError
 
     d = load_profile("h200").to_dict()
     assert profile_from_dict({**d, "compute_efficiency": {"dot": 0.5}}).efficiency("dot") == 0.5

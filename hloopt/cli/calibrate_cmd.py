@@ -70,8 +70,9 @@ def _from_trace(trace_dir: str, target: str | None, size: str | None, base: str 
     if target is None:
         raise UserError("--profile DIR needs --target: the step that was traced (its compiled module names the ops)")
     if base is None:
-        import hloopt.lowering  # noqa: F401  (JAX_PLATFORMS before jax starts)
         import jax
+
+        import hloopt.lowering  # noqa: F401  (JAX_PLATFORMS before jax starts)
 
         base = _guess_base(str(jax.devices()[0].device_kind))
     trace = read_trace(trace_dir)

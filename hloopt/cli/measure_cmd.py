@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import click
 
@@ -52,7 +53,7 @@ def measure(target: str, plan_path: str | None, policies: str, steps: int, warmu
         return 0
 
 
-def _profile(plan_path: str | None, device_kw: dict[str, object]) -> tuple[object, str | None]:
+def _profile(plan_path: str | None, device_kw: dict[str, object]) -> tuple[Any, str | None]:
     """The profile predictions use: --device/--device-file, else the plan's, else one guessed from
     the JAX device, else tpu-v5e with a note (the CPU has no built-in profile)."""
     from hloopt.devices import profile_from_dict
@@ -64,9 +65,9 @@ def _profile(plan_path: str | None, device_kw: dict[str, object]) -> tuple[objec
 
         p = load_plan(plan_path)
         return profile_from_dict(p.device, origin=f"{plan_path}: device"), None
-    import hloopt.lowering  # noqa: F401  (JAX_PLATFORMS before jax starts)
     import jax
 
+    import hloopt.lowering  # noqa: F401  (JAX_PLATFORMS before jax starts)
     from hloopt.cli.calibrate_cmd import _guess_base
 
     kind = str(jax.devices()[0].device_kind)
@@ -75,7 +76,8 @@ def _profile(plan_path: str | None, device_kw: dict[str, object]) -> tuple[objec
     except Exception:
         name = "tpu-v5e"
         why = (f"no built-in profile for {kind!r} ({jax.default_backend()}): predictions use tpu-v5e, so compare "
-               "ranks, not absolute times (pass --device-file from `hloopt calibrate --profile` to predict this device)")
+               "ranks, not absolute times (pass --device-file from `hloopt calibrate --profile` to predict this "
+               "device)")
     return profile_from_options(**{**device_kw, "default": name}), why  # type: ignore[arg-type]
 
 
