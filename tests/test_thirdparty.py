@@ -7,7 +7,7 @@ skip (with the library's name), and CI installs that file, so there nothing skip
 Truth: the step's own jaxpr (``jax.make_jaxpr``: ``remat2`` equations are ``jax.checkpoint``,
 ``name`` equations ``checkpoint_name``, ``scan`` equations ``lax.scan``), the lowered HLO's entry
 parameters (one per argument leaf), the libraries' configs (layers per checkpoint), and libtpu
-0.0.42's ``memory_analysis()`` for v5e (slow).
+0.0.42's ``memory_analysis()`` for v5e (slow; the tiny sizes).
 """
 
 from __future__ import annotations
@@ -42,12 +42,21 @@ EXPECTED: dict[str, tuple[int, int, set[str]]] = {
     "levanter_gpt2": (3, 5, {"scan(layers)__carry", "scan(layers)__input"}),
 }
 
-#: measured error of the pre-optimization prediction vs libtpu's peak at size small (libtpu
-#: 0.0.42, jax 0.10.2; bench/thirdparty.py). Steps missing by more than 5% are strict xfails below.
-SMALL_ERROR: dict[str, float] = {}
+#: measured error of the pre-optimization prediction vs libtpu's peak at size tiny (libtpu 0.0.42,
+#: jax 0.10.2; ``python bench/thirdparty.py --size tiny``). The slow test compiles the tiny steps
+#: (3-30 s each); the small ones take 2-5 minutes each on a 2-core machine, too long for every CI
+#: run: their numbers are in fixtures/thirdparty/README.md.
+TINY_ERROR: dict[str, float] = {
+    "hf_gpt2": +0.016, "hf_bert": +0.072, "hf_whisper": -0.121, "hf_resnet": -0.188,
+    "levanter_llama": +0.002, "levanter_gpt2": +0.002,
+}
 
-#: steps whose small prediction misses libtpu by more than 5%, and the construct behind it
-SMALL_MISSES: dict[str, str] = {}
+#: steps whose tiny prediction misses libtpu by more than 5%: what they have that the others lack
+TINY_MISSES: dict[str, str] = {
+    "hf_bert": "+7.2%: remat'ed layers with dropout (the rng bits and masks of each layer's recomputation)",
+    "hf_whisper": "-12.1%: 1-D convolutions over the mel frames (the encoder's front end) under remat",
+    "hf_resnet": "-18.8%: convolutions + batch norm in training mode at batch 8 (libtpu's convolution layouts)",
+}
 
 
 def load(step: str) -> Any:
@@ -179,27 +188,29 @@ def test_residuals_find_the_checkpoint_names(step: str) -> None:
 
 # -- against libtpu ----------------------------------------------------------------------------
 
-def _small_params() -> list[Any]:
+def _tiny_params() -> list[Any]:
     out = []
     for step in LIBRARY:
         marks = [pytest.mark.slow, pytest.mark.tpu]
-        if step in SMALL_MISSES:
-            marks.append(pytest.mark.xfail(strict=True, reason=SMALL_MISSES[step]))
+        if step in TINY_MISSES:
+            marks.append(pytest.mark.xfail(strict=True, reason=TINY_MISSES[step]))
         out.append(pytest.param(step, marks=marks))
     return out
 
 
-@pytest.mark.parametrize("step", _small_params())
-def test_small_prediction_vs_libtpu(step: str) -> None:
+@pytest.mark.parametrize("step", _tiny_params())
+def test_prediction_vs_libtpu(step: str) -> None:
     from hloopt.analysis import analyze
     from hloopt.hlo.parser import parse_module
 
     if not lowering.has_libtpu():
         pytest.skip("needs libtpu (pip install 'hloopt[tpu]')")
-    fn, args = load(step).make("small")
+    fn, args = load(step).make("tiny")
     predicted = analyze(parse_module(lowering.lower(fn, *args, platform="tpu").hlo_text), platform="tpu").peak_bytes
     low = lowering.lower(fn, *args, platform="tpu", compile="tpu-v5e")
     assert low.memory is not None
-    err = predicted / low.memory["peak_memory_in_bytes"] - 1
-    bound = 0.05 if step in SMALL_MISSES else abs(SMALL_ERROR[step]) + 0.02
-    assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {low.memory['peak_memory_in_bytes']:,} ({err:+.1%})"
+    real = low.memory["peak_memory_in_bytes"]
+    err = predicted / real - 1
+    # within the measured error and 2 points more; a miss (strict xfail) is held to 5%
+    bound = 0.05 if step in TINY_MISSES else abs(TINY_ERROR[step]) + 0.02
+    assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
