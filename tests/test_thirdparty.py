@@ -1,0 +1,216 @@
+"""Training steps from libraries hloopt did not write (``fixtures/thirdparty/``).
+
+Each step's library is imported with ``pytest.importorskip`` and nothing else is skipped: on a
+machine without ``fixtures/thirdparty/requirements.txt`` installed the steps of a missing library
+skip (with the library's name), and CI installs that file, so there nothing skips.
+
+Truth: the step's own jaxpr (``jax.make_jaxpr``: ``remat2`` equations are ``jax.checkpoint``,
+``name`` equations ``checkpoint_name``, ``scan`` equations ``lax.scan``), the lowered HLO's entry
+parameters (one per argument leaf), the libraries' configs (layers per checkpoint), and libtpu
+0.0.42's ``memory_analysis()`` for v5e (slow; the tiny sizes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import hloopt.lowering as lowering
+from hloopt.cli import cli
+
+#: step -> the PyPI library its model comes from (what importorskip imports)
+LIBRARY: dict[str, str] = {
+    "hf_gpt2": "transformers", "hf_bert": "transformers", "hf_whisper": "transformers",
+    "hf_resnet": "transformers", "levanter_llama": "levanter", "levanter_gpt2": "levanter",
+}
+
+#: what the tiny steps' jaxprs hold, from the libraries' own switches and the tiny configs:
+#: (remat equations, scan equations, checkpoint names). transformers' remat wraps each layer (BERT
+#: 2 layers, Whisper 2 encoder + 2 decoder); levanter's Stacked is one scan forward and one
+#: backward with one remat in the body; "nested" splits the 4 GPT-2 layers into 2 x 2 scans.
+EXPECTED: dict[str, tuple[int, int, set[str]]] = {
+    "hf_gpt2": (0, 0, set()),
+    "hf_bert": (2, 0, set()),
+    "hf_whisper": (4, 0, set()),
+    "hf_resnet": (0, 0, set()),
+    "levanter_llama": (1, 2, {"scan(layer)__carry", "scan(layer)__input"}),
+    "levanter_gpt2": (3, 5, {"scan(layers)__carry", "scan(layers)__input"}),
+}
+
+#: measured error of the pre-optimization prediction vs libtpu's peak at size tiny (libtpu 0.0.42,
+#: jax 0.10.2; ``python bench/thirdparty.py --size tiny``). The slow test compiles the tiny steps
+#: (3-30 s each); the small ones take 2-5 minutes each on a 2-core machine, too long for every CI
+#: run: their numbers are in fixtures/thirdparty/README.md.
+TINY_ERROR: dict[str, float] = {
+    "hf_gpt2": +0.016, "hf_bert": +0.072, "hf_whisper": -0.121, "hf_resnet": -0.188,
+    "levanter_llama": +0.002, "levanter_gpt2": +0.002,
+}
+
+#: steps whose tiny prediction misses libtpu by more than 5%: what they have that the others lack
+TINY_MISSES: dict[str, str] = {
+    "hf_bert": "+7.2%: remat'ed layers with dropout (the rng bits and masks of each layer's recomputation)",
+    "hf_whisper": "-12.1%: 1-D convolutions over the mel frames (the encoder's front end) under remat",
+    "hf_resnet": "-18.8%: convolutions + batch norm in training mode at batch 8 (libtpu's convolution layouts)",
+}
+
+
+def load(step: str) -> Any:
+    pytest.importorskip(LIBRARY[step])
+    return importlib.import_module(f"fixtures.thirdparty.{step}")
+
+
+def jaxpr_facts(step: str) -> dict[str, Any]:
+    import jax
+
+    from fixtures.thirdparty import jaxpr_facts as facts
+
+    fn, args = load(step).make("tiny")
+    return facts(jax.make_jaxpr(fn)(*args))
+
+
+# -- the factories -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step", list(LIBRARY))
+def test_factory_is_abstract_and_lowers_for_tpu(step: str) -> None:
+    import jax
+
+    fn, args = load(step).make("tiny")
+    leaves = jax.tree.leaves(args)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    text = lowering.lower(fn, *args, platform="tpu").hlo_text
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[: entry.index("\n}")]
+    # one entry parameter per argument leaf: the whole pytree (params, AdamW state, batch) reaches XLA
+    assert len(re.findall(r"\bparameter\(\d+\)", entry)) == len(leaves)
+
+
+def test_bad_size_is_rejected() -> None:
+    with pytest.raises(ValueError, match="size must be one of tiny, small"):
+        load("hf_gpt2").make("large")
+
+
+@pytest.mark.parametrize("step", list(LIBRARY))
+def test_checkpointing_is_what_the_library_does(step: str) -> None:
+    remat, scans, names = EXPECTED[step]
+    facts = jaxpr_facts(step)
+    assert (facts["remat"], facts["scan"], set(facts["names"])) == (remat, scans, names)
+
+
+def test_bert_remat_is_one_per_layer() -> None:
+    # transformers' switch wraps each FlaxBertLayer: the count follows the config, not a constant
+    import jax
+
+    from fixtures.thirdparty import jaxpr_facts as facts
+
+    mod = load("hf_bert")
+    layers = mod.CONFIGS["tiny"]["num_hidden_layers"]
+    mod.CONFIGS["tiny"] = {**mod.CONFIGS["tiny"], "num_hidden_layers": layers + 1}
+    try:
+        fn, args = mod.make("tiny")
+    finally:
+        mod.CONFIGS["tiny"] = {**mod.CONFIGS["tiny"], "num_hidden_layers": layers}
+    assert facts(jax.make_jaxpr(fn)(*args))["remat"] == layers + 1
+
+
+# -- hloopt on them ----------------------------------------------------------------------------
+
+def cli_json(*args: str) -> tuple[int, Any, str]:
+    res = CliRunner().invoke(cli, [*args, "--json", "-q"])
+    try:
+        return res.exit_code, json.loads(res.output), res.output
+    except json.JSONDecodeError:
+        return res.exit_code, None, res.output
+
+
+@pytest.mark.parametrize("step", list(LIBRARY))
+def test_analyze_runs(step: str) -> None:
+    import jax
+    import numpy as np
+
+    _, args = load(step).make("tiny")
+    code, out, text = cli_json("analyze", f"fixtures/thirdparty/{step}.py:make", "--size", "tiny",
+                               "--platform", "tpu")
+    assert code == 0, text
+    assert out["module"] == "jit_step"
+    # TPU layouts pad arrays, never shrink them: the arguments' bytes are at least their data's
+    data = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(args))
+    assert out["argument_bytes"] >= data
+    assert out["peak_bytes"] > out["argument_bytes"]
+
+
+@pytest.mark.parametrize("step", [s for s, e in EXPECTED.items() if e[2]])
+def test_name_sites_are_the_jaxpr_names(step: str) -> None:
+    # hloopt's name-site scan (the first stage of naming residuals) against this file's own walk
+    from hloopt.naming import checkpoint_names
+    from hloopt.targets import resolve
+
+    load(step)
+    sites = checkpoint_names(resolve(f"fixtures/thirdparty/{step}.py:make", size="tiny"))
+    assert {s.name for s in sites} == set(jaxpr_facts(step)["names"])
+
+
+def test_levanter_scan_keeps_one_carry_per_layer() -> None:
+    # JAX's default remat policy in a scanned layer saves the layer's input: the residual stream,
+    # f32[batch, seq, hidden], stacked once per layer
+    mod = load("levanter_llama")
+    c = mod.CONFIGS["tiny"]
+    code, rows, text = cli_json("residuals", "fixtures/thirdparty/levanter_llama.py:make", "--size", "tiny",
+                                "--no-names")
+    assert code == 0, text
+    want = f"f32[{c['batch']},{c['seq']},{c['hidden_dim']}]"
+    assert any(r["layers"] == c["num_layers"] and r["per_layer_shape"] == want for r in rows), rows
+
+
+@pytest.mark.parametrize("step", [s for s, e in EXPECTED.items() if not e[2]])
+def test_residuals_of_unnamed_steps_have_no_names(step: str) -> None:
+    load(step)
+    code, rows, text = cli_json("residuals", f"fixtures/thirdparty/{step}.py:make", "--size", "tiny")
+    assert code == 0, text
+    assert rows and all(r["name"] is None for r in rows)
+
+
+@pytest.mark.xfail(strict=True, reason="hloopt residuals names residuals by re-lowering through the "
+                   "factory with policy=; these factories take none (the library's code, as written), so "
+                   "it exits 2: 'make(size=..., policy=...) does not take these arguments'")
+@pytest.mark.parametrize("step", [s for s, e in EXPECTED.items() if e[2]])
+def test_residuals_find_the_checkpoint_names(step: str) -> None:
+    load(step)
+    code, rows, text = cli_json("residuals", f"fixtures/thirdparty/{step}.py:make", "--size", "tiny")
+    assert code == 0, text
+    found = {r["name"] for r in rows if r["name"]}
+    assert found and found <= set(jaxpr_facts(step)["names"])
+
+
+# -- against libtpu ----------------------------------------------------------------------------
+
+def _tiny_params() -> list[Any]:
+    out = []
+    for step in LIBRARY:
+        marks = [pytest.mark.slow, pytest.mark.tpu]
+        if step in TINY_MISSES:
+            marks.append(pytest.mark.xfail(strict=True, reason=TINY_MISSES[step]))
+        out.append(pytest.param(step, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("step", _tiny_params())
+def test_prediction_vs_libtpu(step: str) -> None:
+    from hloopt.analysis import analyze
+    from hloopt.hlo.parser import parse_module
+
+    if not lowering.has_libtpu():
+        pytest.skip("needs libtpu (pip install 'hloopt[tpu]')")
+    fn, args = load(step).make("tiny")
+    predicted = analyze(parse_module(lowering.lower(fn, *args, platform="tpu").hlo_text), platform="tpu").peak_bytes
+    low = lowering.lower(fn, *args, platform="tpu", compile="tpu-v5e")
+    assert low.memory is not None
+    real = low.memory["peak_memory_in_bytes"]
+    err = predicted / real - 1
+    # within the measured error and 2 points more; a miss (strict xfail) is held to 5%
+    bound = 0.05 if step in TINY_MISSES else abs(TINY_ERROR[step]) + 0.02
+    assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
