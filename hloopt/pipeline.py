@@ -34,7 +34,9 @@
      profile with ``off_device``): no decision goes under it;
    * a residual memory-space assignment packs into VMEM still comes off the step's total whole
      when taken off the device, although the model's HBM side may not have held it: between
-     "everything on device" (exact) and the floor the replay can be below the model.
+     "everything on device" (exact) and the floor the replay can be below the model. Where the
+     timeline holds less than the residuals live at a step (VMEM holds some, and counts at
+     most its capacity), ``base_bytes`` is negative.
 
    *Stacked residuals* (a scan's ``[L, ...]`` buffers) are one instance per layer: layer ``i`` is
    produced in forward iteration ``i`` and read in backward iteration ``L-1-i``. Offloaded or
@@ -202,7 +204,9 @@ def _analyze_tpu_prediction(module: Module, profile: DeviceProfile, *, source: s
         # first: the VMEM side with every residual off the device is counted whatever the plan
         off = am.get(peak_memory_pass(settings, on_chip_bytes=on_chip,
                                       off_device=frozenset(r.inst.name for r in residuals)))
-        floor = ranges.entry_timeline(off.on_chip_timeline_bytes or [])
+        # (capped by the timeline: without the residuals XLA's buffer assigner may leave other
+        # temporaries outside the output allocations, whose VMEM side can then be higher)
+        floor = [min(f, t) for f, t in zip(ranges.entry_timeline(off.on_chip_timeline_bytes or []), timeline)]
     return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor, fused, mem)
 
 
@@ -371,8 +375,10 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
             dot_has_batch_dims=prod.opcode == "dot" and bool(prod.attr_ints("lhs_batch_dims")),
         ))
     live = np.cumsum(contrib[:-1])
-    steps = [dataclasses.replace(s, base_bytes=max(0, s.base_bytes - int(live[t])))
-             for t, s in enumerate(steps)]
+    # No clamp at 0: where memory-space assignment holds residuals in VMEM, libtpu's accounting
+    # (the larger heap) can count less than their sum, and the base goes negative so that "all on
+    # device" still replays to the timeline (the floor keeps a replay above the VMEM side).
+    steps = [dataclasses.replace(s, base_bytes=s.base_bytes - int(live[t])) for t, s in enumerate(steps)]
     problem = Problem(
         steps=tuple(steps), candidates=tuple(candidates),
         d2h_bytes_per_s=profile.d2h_bytes_per_s, h2d_bytes_per_s=profile.h2d_bytes_per_s,
