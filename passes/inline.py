@@ -19,8 +19,9 @@ the shape of its root are unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Sequence
+from typing import ClassVar
 
 from hloopt.ir import Computation, Instruction, Module, gc_paused
 
