@@ -111,29 +111,57 @@ def profile_module(module: Module, *, platform: str | None = None, schedule: str
                    off_device: frozenset[str] = frozenset(), prefetch_at_offload: bool | None = None,
                    am: AnalysisManager | None = None) -> tuple[MemoryProfile, dict[str, Any]]:
     """Run PeakMemory on ``module`` with :func:`settings_for`'s settings (``prefetch_at_offload``
-    overrides theirs)."""
+    overrides theirs). For a TPU prediction the profile counts the module
+    :func:`prepare_for_profile` makes (``profile.ranges.module``)."""
     s = settings_for(module, platform=platform, schedule=schedule, code_bytes=code_bytes)
     if prefetch_at_offload is not None:
         s["prefetch_at_offload"] = prefetch_at_offload
-    if s["kind"] == "tpu-predicted":
+    module, am = prepare_for_profile(module, s, am=am)
+    prof = am.get(peak_memory_pass(s, top=top, on_chip_bytes=on_chip_bytes, off_device=off_device))
+    return prof, s
+
+
+def prepare_for_profile(module: Module, settings: Mapping[str, Any], *,
+                        am: AnalysisManager | None = None) -> tuple[Module, AnalysisManager]:
+    """The module :func:`peak_memory_pass` counts with ``settings``, and its analysis manager.
+
+    A TPU prediction (kind ``tpu-predicted``) counts a new module: ``module`` with its calls
+    inlined (as XLA does before it assigns buffers), TPU's default tiles on its shapes (in place
+    on ``module`` when it has no calls) and its instructions written in the memory-aware list
+    schedule's order (:func:`~hloopt.passes.schedule.in_schedule_order`), so that the steps of the
+    profile are the module's text order: what the planner builds its steps from
+    (:func:`hloopt.pipeline.analyze_module`). Other kinds count ``module`` itself."""
+    if settings["kind"] == "tpu-predicted":
         from hloopt.passes.inline import inline_for_assignment
+        from hloopt.passes.schedule import Schedule, in_schedule_order
 
         inlined = inline_for_assignment(module)  # as XLA does before it assigns buffers (and the planner)
         if inlined is not module:
             module, am = inlined, None
         _apply_tpu_tiling(module)
-    elif s["kind"] == "unoptimized" and _place_annotated_on_host(module):
         am = None  # shapes changed: analyses cached on the module are stale
-    am = am or AnalysisManager(module)
-    live = Liveness(schedule=s["schedule"], materialize=s["materialize"], alignment_bytes=s["alignment_bytes"],
+        if settings["schedule"] != "module":
+            order = Schedule(kind=settings["schedule"]).run(module, AnalysisManager(module))
+            module = in_schedule_order(module, order)
+    elif settings["kind"] == "unoptimized" and _place_annotated_on_host(module):
+        am = None  # shapes changed: analyses cached on the module are stale
+    return module, am or AnalysisManager(module)
+
+
+def peak_memory_pass(settings: Mapping[str, Any], *, top: int = 10, on_chip_bytes: int | None = None,
+                     off_device: frozenset[str] = frozenset()) -> PeakMemory:
+    """The PeakMemory analysis ``settings`` describe, for the module :func:`prepare_for_profile`
+    returns (a TPU prediction's list schedule is that module's text order by then)."""
+    s = settings
+    schedule = "module" if s["kind"] == "tpu-predicted" else s["schedule"]
+    live = Liveness(schedule=schedule, materialize=s["materialize"], alignment_bytes=s["alignment_bytes"],
                     narrow_stacks=bool(s.get("narrow_stacks", False)))
-    prof = am.get(PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
-                             static_allocations=s["static_allocations"], code_bytes=s["code_bytes"],
-                             reuse_output_allocations=s["reuse_output_allocations"],
-                             on_chip_heap=s["on_chip_heap"], off_device=off_device,
-                             prefetch_at_offload=s["prefetch_at_offload"],
-                             **({} if on_chip_bytes is None else {"on_chip_bytes": on_chip_bytes})))
-    return prof, s
+    return PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
+                      static_allocations=s["static_allocations"], code_bytes=s["code_bytes"],
+                      reuse_output_allocations=s["reuse_output_allocations"],
+                      on_chip_heap=s["on_chip_heap"], off_device=off_device,
+                      prefetch_at_offload=s["prefetch_at_offload"],
+                      **({} if on_chip_bytes is None else {"on_chip_bytes": on_chip_bytes}))
 
 
 def analyze(target: str | Path | Module, *, platform: str | None = None, compile: str | None = None,
@@ -302,4 +330,5 @@ def _to_host(inst: Instruction) -> None:
                        Layout(m2m, tiles, memory_space=HOST_MEMORY_SPACE))
 
 
-__all__ = ["MemoryReport", "analyze", "prediction_notes", "profile_module", "settings_for"]
+__all__ = ["MemoryReport", "analyze", "peak_memory_pass", "prediction_notes", "prepare_for_profile", "profile_module",
+           "settings_for"]

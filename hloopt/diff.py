@@ -14,10 +14,9 @@ identity; unmatched buffers with the same op_name but another shape are *resized
 logical shape (one-to-one, same op_name preferred).
 
 The memory analysis of an HLO side is injected (``analyzer=``): the default is the memory model
-(:func:`memory_side`, what ``hloopt analyze`` computes); :func:`approx_side` is the entry-level
-approximation of :mod:`hloopt.report.approx`. Invariant: ``peak_delta_bytes == b.peak_bytes - a.peak_bytes``
-and category deltas sum, over
-the union of categories, to the peak delta when both sides report categories.
+(:func:`memory_side`, what ``hloopt analyze`` computes). Invariant:
+``peak_delta_bytes == b.peak_bytes - a.peak_bytes`` and category deltas sum, over the union of
+categories, to the peak delta when both sides report categories.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ from hloopt.errors import UserError
 from hloopt.ir import Module
 from hloopt.report import LiveBuffer, mesh_of
 
-__all__ = ["Analyzer", "BufferChange", "DecisionChange", "MemoryDiff", "Side", "approx_side", "memory_side",
-           "diff_sides",
+__all__ = ["Analyzer", "BufferChange", "DecisionChange", "MemoryDiff", "Side", "memory_side", "diff_sides",
            "load_side", "diff_paths"]
 
 
@@ -133,26 +131,6 @@ _LAYOUT = re.compile(r"\{[^{}]*\}$")
 def logical_shape(shape: str) -> str:
     """``f32[2,64]{1,0:T(8,128)S(5)}`` -> ``f32[2,64]``."""
     return _LAYOUT.sub("", shape.strip())
-
-
-def approx_side(module: Module, label: str) -> Side:
-    """A Side from the entry-level approximation (:mod:`hloopt.report.approx`)."""
-    from hloopt.report.approx import approximate_memory
-
-    mem = approximate_memory(module)
-
-    def lb(b: Any) -> LiveBuffer:
-        return LiveBuffer(name=b.name, shape=b.shape, bytes=b.bytes, category=b.category, op_name=b.op_name,
-                          source=b.source)
-
-    cats = {c: int(v[mem.peak_step]) for c, v in mem.timeline_by_category.items()} if mem.step_labels else {}
-    shardings = [i.sharding for i in module.instructions() if i.sharding]
-    return Side(label=label, kind="hlo", peak_bytes=mem.peak_bytes, bytes_by_category=cats,
-                live_at_peak=tuple(lb(b) for b in mem.live_at(mem.peak_step)),
-                host_buffers=tuple(lb(b) for b in mem.host_buffers),
-                device_buffers=tuple(lb(b) for b in mem.buffers if not b.on_host),
-                num_partitions=module.num_partitions, mesh=mesh_of(shardings, module.num_partitions),
-                model="entry-level liveness approximation")
 
 
 def memory_side(module: Module, label: str) -> Side:

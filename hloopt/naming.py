@@ -237,7 +237,8 @@ class TargetResiduals:
     imports: frozenset[str]
     #: peak device bytes from the memory model (None when it could not run)
     peak_bytes: int | None
-    peak_source: str = "hloopt memory model (no-fragmentation peak of the schedule)"
+    #: what the peak counts (hloopt analyze's profile for the platform: a TPU prediction for TPU)
+    peak_source: str = "hloopt memory model"
 
     @property
     def coverage(self) -> float | None:
@@ -269,19 +270,32 @@ def residuals_of(target: str, *, size: str | None = None, platform: str = "tpu",
     from hloopt.frameworks import imported_by
 
     imports = frozenset(imported_by(tgt.factory)) if tgt.factory is not None else frozenset()
-    return TargetResiduals(residuals=rs, probe=probe, imports=imports, peak_bytes=_peak(module))
+    peak, source = _peak(module, platform=platform)
+    return TargetResiduals(residuals=rs, probe=probe, imports=imports, peak_bytes=peak, peak_source=source)
 
 
-def _peak(module: Any) -> int | None:
+#: what each kind of hloopt analyze's profile counts (hloopt.analysis.settings_for)
+_PEAK_SOURCES = {
+    "tpu-predicted": "hloopt memory model: analyze's TPU prediction of libtpu's peak_memory_in_bytes",
+    "tpu-compiled": "hloopt memory model: libtpu's accounting of the compiled module",
+    "compiled": "hloopt memory model: no-fragmentation peak of the module's schedule",
+    "unoptimized": "hloopt memory model: no-fragmentation peak of the text order",
+}
+
+
+def _peak(module: Any, *, platform: str | None) -> tuple[int | None, str]:
+    """The peak ``hloopt analyze --platform PLATFORM`` reports for ``module`` (on a copy: a TPU
+    prediction tiles shapes in place), and what it counts."""
+    from hloopt.analysis import profile_module
+    from hloopt.hlo.parser import parse_module
+    from hloopt.hlo.printer import print_module
+
     try:
-        from hloopt.passes import AnalysisManager
-        from hloopt.passes.memory import PeakMemory
-    except ImportError:
-        return None
-    try:
-        return int(AnalysisManager(module).get(PeakMemory()).peak_bytes)
+        copy = parse_module(print_module(module), filename=module.filename)
+        prof, settings = profile_module(copy, platform=platform)
     except Exception:  # the memory model is another analysis; its failure must not hide residuals
-        return None
+        return None, "memory model failed"
+    return int(prof.peak_bytes), _PEAK_SOURCES.get(settings["kind"], "hloopt memory model")
 
 
 def _name_of(rs: ResidualSet, r: Residual, by_line: dict[tuple[str, int], set[str]]) -> str | None:

@@ -19,6 +19,25 @@
    instruction reads it, through checkpoint tuples and fused readers), so a decision takes off
    exactly what the timeline holds.
 
+   *One accountant.* On a TPU device a pre-optimization module's timeline is the one ``hloopt
+   analyze --platform tpu`` predicts (:func:`hloopt.analysis.profile_module`), computed on the
+   module it counts: calls inlined, TPU tiles, instructions written in its memory-aware list
+   schedule's order, so the Problem's steps are that schedule and "all on device" replays to
+   analyze's peak byte for byte. That timeline is libtpu's accounting, ``fixed + max(HBM heap,
+   VMEM heap)`` with predicted memory-space assignment (passes/memory.py), which is not linear in
+   the residuals; the Problem keeps it linear with a floor:
+
+   * an instance counts its buffer's HBM bytes (0 for a buffer XLA's buffer assigner places
+     inside an output's allocation: the timeline holds none of it, and the room it leaves there
+     for other temporaries is not modeled);
+   * ``Step.floor_bytes`` is the VMEM side with every residual off the device (the same
+     profile with ``off_device``): no decision goes under it;
+   * a residual memory-space assignment packs into VMEM still comes off the step's total whole
+     when taken off the device, although the model's HBM side may not have held it: between
+     "everything on device" (exact) and the floor the replay can be below the model. Where the
+     timeline holds less than the residuals live at a step (VMEM holds some, and counts at
+     most its capacity), ``base_bytes`` is negative.
+
    *Stacked residuals* (a scan's ``[L, ...]`` buffers) are one instance per layer: layer ``i`` is
    produced in forward iteration ``i`` and read in backward iteration ``L-1-i``. Offloaded or
    recomputed, that is what XLA does (the stack lives in host memory, one slice per iteration
@@ -82,22 +101,42 @@ class Analyzed:
     cost: Any
     #: checkpoint_names that name a checkpoint's own input (hloopt.naming.ResidualNames): no remat
     checkpoint_inputs: frozenset[str] = frozenset()
-    #: the on-chip (VMEM) side of libtpu's accounting that no offload lowers, at every step
-    #: (predicted memory-space assignment, passes/memory.py); 0 when not modeled
-    floor_bytes: int = 0
+    #: per entry instruction, the bytes counted whatever the decisions: for a TPU prediction the
+    #: on-chip (VMEM) side of libtpu's accounting with every residual off the device (predicted
+    #: memory-space assignment, passes/memory.py), which no offload lowers; None when not modeled
+    floor_timeline_bytes: list[int] | None = None
     #: instructions the timeline counts no buffer for (XLA fuses them into their readers,
     #: passes/fusion_model.py, and storage views): their readers read through them
     fused: frozenset[Instruction] = frozenset()
+    #: the memory profile the timeline is (hloopt analyze's, for a TPU prediction); None when the
+    #: timeline is Liveness's own sum (other platforms)
+    memory: Any = None
 
     @property
     def peak_bytes(self) -> int:
-        return max(max(self.timeline_bytes, default=0), self.floor_bytes)
+        return max(max(self.timeline_bytes, default=0), max(self.floor_timeline_bytes or [0]))
+
+    def counted(self, bid: int) -> tuple[int, int, int]:
+        """(first step, last step, bytes) the timeline counts buffer ``bid`` over; first step -1
+        when it counts it nowhere on the device's HBM side (fused away, inside an output's
+        allocation, another memory space)."""
+        lr = self.ranges
+        if self.memory is not None:
+            return self.memory.counted_start[bid], self.memory.counted_end[bid], lr.size_bytes[bid]
+        return lr.start[bid], lr.end[bid], lr.size_bytes[bid]
 
 
 @gc_paused()  # builds long-lived analyses of a possibly huge module (hloopt.ir.gc_paused)
 def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo",
                    names: Mapping[str, str] | None = None) -> Analyzed:
-    """Liveness, residuals and roofline costs of one module, folded onto its entry schedule."""
+    """Liveness, residuals and roofline costs of one module, folded onto its entry schedule.
+
+    For a TPU device and a pre-optimization module the timeline is the profile ``hloopt analyze
+    --platform tpu`` computes (:func:`hloopt.analysis.profile_module`: tiling, bf16 stacks, output
+    allocation reuse, predicted memory-space assignment, the list schedule), on the module it
+    counts (calls inlined, instructions in the list schedule's order: its text order is the
+    schedule, ``Analyzed.module``). Costs are the roofline of the module as lowered (untiled
+    shapes), by instruction name. Other platforms: Liveness over the module's text order."""
     from hloopt.passes import AnalysisManager
     from hloopt.passes.cost import CostAnalysis
     from hloopt.passes.fusion_model import TpuFusion
@@ -107,7 +146,11 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
 
     pre_opt = not module.is_scheduled
     if pre_opt:
+        given = module
         module = inline_for_assignment(module)  # as XLA does before it assigns buffers
+        if profile.kind == "tpu":
+            return _analyze_tpu_prediction(module, profile, source=source, names=names,
+                                           owned=module is not given)
     am = AnalysisManager(module)
     liveness = Liveness(materialize="tpu-fusion" if pre_opt else "all")
     ranges = am.get(liveness)
@@ -124,41 +167,54 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     if names:
         residuals = residuals.with_names(dict(names))
     inputs: frozenset[str] = getattr(names, "checkpoint_inputs", frozenset())
-    floor = 0
-    if pre_opt and profile.kind == "tpu" and profile.on_chip_heap_bytes:
-        floor = _on_chip_floor(module, profile.on_chip_heap_bytes, max(timeline, default=0),
-                               frozenset(r.inst.name for r in residuals))
-    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor, fused)
+    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, None, fused)
 
 
-def _on_chip_floor(module: Module, on_chip_bytes: int, hbm_peak_bytes: int, residuals: frozenset[str]) -> int:
-    """libtpu's ``peak_memory_in_bytes`` is arguments + outputs + the larger of its HBM and VMEM
-    heaps. The VMEM heap holds temporaries (residuals among them) and prefetched operands; its
-    peak with every residual off the device (hloopt analyze's TPU prediction, passes/memory.py,
-    with ``off_device``) is a floor no plan goes under. With the linear HBM-side timeline the
-    Problem keeps, ``max(base + live, floor)`` is exact with everything on device and with
-    nothing, and below the model in between. 0 when the VMEM side cannot reach the HBM peak
-    (arguments + outputs + all of VMEM below it: every real model) or the VMEM heap is not full."""
-    from hloopt.analysis import profile_module
-    from hloopt.hlo.parser import parse_module
-    from hloopt.hlo.printer import print_module
+def _analyze_tpu_prediction(module: Module, profile: DeviceProfile, *, source: str,
+                            names: Mapping[str, str] | None, owned: bool) -> Analyzed:
+    """:func:`analyze_module` for a TPU device and an inlined pre-optimization module."""
+    from hloopt.analysis import peak_memory_pass, prepare_for_profile, settings_for
+    from hloopt.passes import AnalysisManager
+    from hloopt.passes.cost import CostAnalysis
+    from hloopt.passes.fusion_model import TpuFusion
+    from hloopt.passes.liveness import storage_views
+    from hloopt.passes.residuals import find_residuals
 
+    # roofline times of the program as lowered (tiling pads what the memory model stores, not
+    # what the cost model reads), looked up by name on the module the profile counts
+    cost = CostAnalysis(profile=profile).run(module, AnalysisManager(module))
+    settings = settings_for(module, platform="tpu")
+    # on a copy: prepare_for_profile tiles an uninlined module's shapes in place
+    module, am = prepare_for_profile(module if owned else _copy(module), settings)
+    on_chip = profile.on_chip_heap_bytes or None  # analyze's VMEM when the profile does not say
+    mem = am.get(peak_memory_pass(settings, on_chip_bytes=on_chip))
+    ranges = mem.ranges
+    timeline = mem.entry_timeline_bytes()
+    host = ranges.entry_timeline(mem.host_timeline_bytes)
+    fused = storage_views(ranges.steps) | am.get(TpuFusion(narrow_stacks=bool(settings.get("narrow_stacks")))).fused
     entry = module.entry
     assert entry is not None
-    fixed = sum(p.shape.byte_size for p in entry.parameters)
-    if entry.root is not None:
-        fixed += entry.root.shape.byte_size
-    if hbm_peak_bytes >= 2 * (fixed + on_chip_bytes):  # tiling can pad the fixed part; margin
-        return 0
-    # the prediction tiles shapes in place: on a copy
-    copy = parse_module(print_module(module), filename=f"<{module.name}>")
-    prof, _ = profile_module(copy, platform="tpu", on_chip_bytes=on_chip_bytes, off_device=residuals)
-    floor = max(prof.on_chip_timeline_bytes or [0])
-    # Only a full VMEM heap is a floor the model can vouch for: libtpu fills VMEM whenever the
-    # working set exceeds it (the small zoo: within 1.2%); the unfilled heaps of tiny programs
-    # hold copies the model does not predict (tests/test_preopt_accuracy.py).
-    full = prof.argument_bytes + prof.output_bytes + prof.static_bytes + prof.code_bytes + on_chip_bytes
-    return floor if floor >= full else 0
+    step_s = [cost.seconds(inst.name) for inst in entry.instructions]
+    residuals = find_residuals(module)
+    if names:
+        residuals = residuals.with_names(dict(names))
+    inputs: frozenset[str] = getattr(names, "checkpoint_inputs", frozenset())
+    floor = None
+    if mem.on_chip_timeline_bytes is not None:
+        # libtpu reports the larger of its HBM and VMEM heaps, and an offload lowers only the
+        # first: the VMEM side with every residual off the device is counted whatever the plan
+        off = am.get(peak_memory_pass(settings, on_chip_bytes=on_chip,
+                                      off_device=frozenset(r.inst.name for r in residuals)))
+        # (capped by the timeline: without the residuals XLA's buffer assigner may leave other
+        # temporaries outside the output allocations, whose VMEM side can then be higher)
+        floor = [min(f, t) for f, t in zip(ranges.entry_timeline(off.on_chip_timeline_bytes or []), timeline)]
+    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor, fused, mem)
+
+
+def _copy(module: Module) -> Module:
+    from hloopt.passes.inline import reordered
+
+    return reordered(module, {})
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,7 +302,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         for k in range(n):
             label = inst.name if n == 1 else f"{inst.name}[{k}]"
             steps.append(Step(an.step_s[e] / n, an.timeline_bytes[e], label, e >= backward_start,
-                              an.floor_bytes))
+                              an.floor_timeline_bytes[e] if an.floor_timeline_bytes is not None else 0))
     smap = StepMap(first, count)
 
     groups = candidate_groups(residuals)
@@ -262,8 +318,8 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         instances: list[Instance] = []
         remat_s = 0.0
         for r in rs:
-            per = r.per_layer_bytes if r.layers > 1 else r.bytes
             if r.stacked:
+                per = _stack_layer_bytes(an, r)
                 fl = r.forward_loop.index
                 bl = r.backward_loop.index if r.backward_loop is not None else None
                 stack_start = _stack_start(an, r, smap, default=smap.at(fl))
@@ -320,8 +376,10 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
             dot_has_batch_dims=prod.opcode == "dot" and bool(prod.attr_ints("lhs_batch_dims")),
         ))
     live = np.cumsum(contrib[:-1])
-    steps = [dataclasses.replace(s, base_bytes=max(0, s.base_bytes - int(live[t])))
-             for t, s in enumerate(steps)]
+    # No clamp at 0: where memory-space assignment holds residuals in VMEM, libtpu's accounting
+    # (the larger heap) can count less than their sum, and the base goes negative so that "all on
+    # device" still replays to the timeline (the floor keeps a replay above the VMEM side).
+    steps = [dataclasses.replace(s, base_bytes=s.base_bytes - int(live[t])) for t, s in enumerate(steps)]
     problem = Problem(
         steps=tuple(steps), candidates=tuple(candidates),
         d2h_bytes_per_s=profile.d2h_bytes_per_s, h2d_bytes_per_s=profile.h2d_bytes_per_s,
@@ -459,16 +517,30 @@ def _as_counted(an: Analyzed, r: Any, counted: set[int]) -> tuple[int, tuple[int
         b = lr.aliasing.buffer_at(r.inst, ())
     except (KeyError, IndexError):
         return r.bytes, raw
-    if b.id in counted or lr.start[b.id] < 0 or lr.size_bytes[b.id] == 0:
-        return 0, raw  # fused away: the timeline holds nothing a decision could take off
+    start, end, size = an.counted(b.id)
+    if b.id in counted or start < 0 or size == 0:
+        # fused away, or inside an output's allocation: the timeline holds nothing in HBM a
+        # decision could take off
+        return 0, raw
     counted.add(b.id)
     reads = sorted({lr.entry_step[t] for t in _storage_reads(an, r.inst)})
     fwd = [e for e in reads if e < r.first_backward_use]
     bwd = [e for e in reads if e >= r.first_backward_use]
-    last = max(r.last_use, lr.entry_step[lr.end[b.id]])
-    return lr.size_bytes[b.id], (min(r.position, lr.entry_step[lr.start[b.id]]),
-                                 max(fwd, default=r.forward_last_use),
-                                 min(bwd, default=r.first_backward_use), last)
+    last = max(r.last_use, lr.entry_step[end])
+    return size, (min(r.position, lr.entry_step[start]), max(fwd, default=r.forward_last_use),
+                  min(bwd, default=r.first_backward_use), last)
+
+
+def _stack_layer_bytes(an: Analyzed, r: Any) -> int:
+    """One layer's bytes of a stacked residual as the timeline counts its ``[L, ...]`` buffer
+    (stored size: tiles, bf16 stacks; nothing when the buffer lies inside an output's
+    allocation, which XLA's buffer assigner does with stacks that fit, passes/memory.py)."""
+    try:
+        b = an.ranges.aliasing.buffer_at(r.inst, ())
+    except (KeyError, IndexError):
+        return r.per_layer_bytes
+    start, _, size = an.counted(b.id)
+    return size // r.layers if start >= 0 else 0
 
 
 def _storage_reads(an: Analyzed, inst: Instruction) -> list[int]:
@@ -515,7 +587,7 @@ def _stack_start(an: Analyzed, r: Any, smap: StepMap, *, default: int) -> int:
         b = an.ranges.aliasing.buffer_at(r.inst, ())
     except (KeyError, IndexError):
         return default
-    t = an.ranges.start[b.id]
+    t = an.counted(b.id)[0]
     if t < 0:
         return default
     return min(default, smap.first[an.ranges.entry_step[t]])

@@ -39,7 +39,10 @@ class Step:
 
     #: Modeled compute time of the step in seconds (roofline of the instruction).
     duration_s: float
-    #: Device bytes live during the step that no decision changes (parameters, temporaries...).
+    #: Device bytes live during the step that no decision changes (parameters, temporaries...):
+    #: the analyzed timeline less the candidates' instances live there. Negative where the
+    #: timeline counts less than those instances' sum (libtpu's accounting of a TPU prediction
+    #: counts the larger of two heaps, and residuals in VMEM at most its capacity; hloopt.pipeline).
     base_bytes: int
     #: Human label: the instruction name (and loop iteration) the step stands for.
     label: str = ""

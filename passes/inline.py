@@ -19,6 +19,7 @@ the shape of its root are unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -37,8 +38,10 @@ def _copy(inst: Instruction, name: str) -> Instruction:
 
 
 class _Inliner:
-    def __init__(self, module: Module) -> None:
+    def __init__(self, module: Module, order: Mapping[Computation, Sequence[Instruction]] | None = None) -> None:
         self.old = module
+        #: per old computation, the order to copy its instructions in (default: text order)
+        self.order = order or {}
         self.new = Module(
             name=module.name, is_scheduled=module.is_scheduled,
             input_output_alias=list(module.input_output_alias), entry_layout=module.entry_layout,
@@ -82,7 +85,7 @@ class _Inliner:
         out.span = comp.span
         out.module = self.new
         env: dict[Instruction, Instruction] = {}
-        for inst in comp.instructions:
+        for inst in self.order.get(comp, comp.instructions):
             self._emit(out, inst, env, "")
         out.root = env[comp.root]  # type: ignore[index]
         return out
@@ -145,6 +148,15 @@ def inline_calls(module: Module) -> Module:
         return module
     with gc_paused():
         return _Inliner(module).run()
+
+
+def reordered(module: Module, order: Mapping[Computation, Sequence[Instruction]]) -> Module:
+    """A copy of ``module`` whose computations list their instructions in ``order`` (a
+    topological order of each computation's instructions; computations it does not name keep
+    their text order), with every ``call`` inlined as :func:`inline_calls` does. The input is not
+    changed; shapes, attributes and metadata are shared with it."""
+    with gc_paused():
+        return _Inliner(module, order).run()
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,12 @@
   is scheduled, so a popped instruction whose priority went stale is pushed back (lazy heap):
   O(n log n) overall.
 
+``in_schedule_order(module, schedule)`` is the transform that writes a schedule down: a new
+module whose computations list their instructions in the schedule's order, so that its text
+order (``"module"``) is that schedule. The memory model and the planner count one module that
+way (:func:`hloopt.analysis.prepare_for_profile`): their steps are the same instructions in the
+same order, and a residual's position is its step.
+
 Invariant: every sequence is a topological order of operands and control predecessors that
 contains each instruction of its computation exactly once.
 """
@@ -55,6 +61,14 @@ class Schedule(Analysis[ScheduleResult]):
         if self.kind == "module":
             return ScheduleResult("module", {c: c.instructions for c in module.computations.values()})
         return ScheduleResult("list", {c: list_schedule(c) for c in module.computations.values()})
+
+
+def in_schedule_order(module: Module, schedule: ScheduleResult) -> Module:
+    """A new module whose computations' instructions are in ``schedule``'s order (the input is
+    not changed). Scheduling it with ``"module"`` gives ``schedule``'s sequences back."""
+    from hloopt.passes.inline import reordered
+
+    return reordered(module, schedule.sequences)
 
 
 def list_schedule(comp: Computation) -> list[Instruction]:
@@ -114,4 +128,4 @@ def list_schedule(comp: Computation) -> list[Instruction]:
     return out
 
 
-__all__ = ["KINDS", "Schedule", "ScheduleResult", "list_schedule"]
+__all__ = ["KINDS", "Schedule", "ScheduleResult", "in_schedule_order", "list_schedule"]

@@ -178,9 +178,12 @@ _MODEL_MISS = "libtpu reports the tiny models' VMEM heap, which the plan's HBM t
 
 @pytest.mark.tpu
 @pytest.mark.parametrize("model", [
-    # Measured (tpu-v5e, libtpu 0.0.42). The tiny models' reported peak is libtpu's on-chip VMEM
-    # heap, not full; the plan counts a VMEM floor (Step.floor_bytes) only where VMEM is full
-    # (the small models), so these plans see the HBM side alone.
+    # Measured (tpu-v5e, libtpu 0.0.42) with the Problem's former HBM-only timeline. The tiny
+    # models' reported peak is libtpu's on-chip VMEM heap, not full, which that timeline did not
+    # hold; the Problem now counts analyze's TPU prediction (VMEM heap included, Step.floor_bytes
+    # per step), whose plans for these budgets are: mlp 497,664 B predicted in a 498,346 B budget
+    # (libtpu's peak for the former plan: 488,448 B), convnet 3,107,840 B in a 3,140,266 B budget, gpt2 5,983,744 B
+    # in 6,080,341 B (each recomputing one mask or exp): not compiled yet on this branch.
     pytest.param("mlp", marks=pytest.mark.xfail(strict=True, reason=(
         f"max-slowdown plan: predicted 361472 B, XLA 488448 B (-26.0%): {_MODEL_MISS}"))),
     pytest.param("convnet", marks=pytest.mark.xfail(strict=True, reason=(
@@ -208,9 +211,15 @@ def test_offloads_outside_a_loop_say_libtpu_copies_them_back() -> None:
     warning that libtpu copies it back right after offloading it (passes/memory.py); a scan's
     stacked residuals (llama small at the README's 75% budget) stay on the host until their layer
     and carry none."""
-    gpt2 = [d for d in outcome("gpt2", budget=str(budgets("gpt2")[1])).plan.decisions if d.action == "offload"]
-    assert gpt2 and all("libtpu copies it back right away" in d.reason for d in gpt2)
     from hloopt import pipeline
+    from hloopt.problem import Action
+
+    # gpt2's layers are unrolled: every residual is outside a loop (at the tiny size the search
+    # recomputes rather than offloads, so the reason an offload would carry is asked directly)
+    o = outcome("gpt2", budget="100%")
+    gpt2 = [c for c in o.problem.candidates if Action.OFFLOAD in c.allowed]
+    assert gpt2 and all("libtpu copies it back right away" in pipeline._reason(c, Action.OFFLOAD, o.problem)
+                        for c in gpt2)
 
     small = pipeline.plan("fixtures/zoo/llama.py:small", profile=PROFILE, budget="75%").plan  # the README's
     llama = [d for d in small.decisions if d.action == "offload"]

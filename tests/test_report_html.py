@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hloopt.analysis import analyze
 from hloopt.devices import load_profile
 from hloopt.hlo.parser import parse_file
 from hloopt.report import LiveBuffer, ReportData, ResidualRow, Transfer, mesh_of
-from hloopt.report.approx import approximate_memory, report_data_from_module
+from hloopt.report.adapt import report_data_from_memory
 from hloopt.report.html import MAX_POINTS, downsample, render_html
 
 ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
@@ -68,7 +69,7 @@ def test_budget_line_and_peak_marker_positions() -> None:
 
 def test_sharded_module_states_per_device_and_mesh() -> None:
     mod = parse_file(ZOO / "sharded.tpu-v5e.hlo")
-    data = report_data_from_module(mod, load_profile("tpu-v5e").to_dict())
+    data = report_data_from_memory(analyze(mod), load_profile("tpu-v5e").to_dict())
     assert data.num_partitions == 8 and tuple(data.mesh) == (2, 4)
     assert "SPMD program on 8 devices (mesh 2x4): every figure is per device." in render_html(data)
 
@@ -147,9 +148,8 @@ def test_browser_draws_llama_timeline_with_tooltip_and_sorting(browser, tmp_path
     from selenium.webdriver.common.by import By
 
     mod = parse_file(ZOO / "llama.tpu-v5e.hlo")
-    mem = approximate_memory(mod)
-    data = report_data_from_module(mod, load_profile("tpu-v5e").to_dict(), budget_bytes=int(mem.peak_bytes * 0.9),
-                                   memory=mem)
+    mem = analyze(mod)
+    data = report_data_from_memory(mem, load_profile("tpu-v5e").to_dict(), budget_bytes=int(mem.peak_bytes * 0.9))
     f = tmp_path / "report.html"
     f.write_text(render_html(data), encoding="utf-8")
     browser.get(f.as_uri())

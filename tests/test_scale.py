@@ -131,7 +131,7 @@ def test_per_device_layer_input_is_the_constrained_shard_and_names_cover_the_glo
 
 
 @pytest.mark.slow
-def test_plan_per_device_fits_below_the_global_program(sharded_tiny) -> None:  # type: ignore[no-untyped-def]
+def test_plan_per_device_agrees_with_the_global_programs_prediction(sharded_tiny) -> None:  # type: ignore[no-untyped-def]
     from hloopt.devices import load_profile
     from hloopt.pipeline import analyze_module
     from hloopt.spmd import plan_per_device
@@ -140,8 +140,11 @@ def test_plan_per_device_fits_below_the_global_program(sharded_tiny) -> None:  #
     profile = load_profile("tpu-v5e")
     timings: dict[str, float] = {}
     out = plan_per_device(tgt, profile=profile, pareto=True, pd=pd, timings=timings)
+    # both per device: the TPU prediction of the global text sizes each value by its sharding
+    # (passes/fusion_model.py); measured against libtpu at tiny: global text -2.5%, XLA's
+    # per-device module +6.1% (README), so the two agree within 10%
     global_peak = analyze_module(pd.global_module, profile).peak_bytes
-    assert out.baseline.peak_bytes < global_peak
+    assert abs(out.baseline.peak_bytes - global_peak) <= 0.10 * global_peak
     assert out.result.peak_bytes <= out.baseline.peak_bytes
     assert "per device" in out.plan.target and set(timings) >= {"analyze_s", "search_s"}
     assert {d.name for d in out.plan.decisions if d.name} == set(pd.names.values())
@@ -190,7 +193,9 @@ def test_scan_and_unrolled_agree_on_every_name_both_find(both_forms) -> None:  #
     assert {k: scan[k] for k in common} == {k: unrolled[k] for k in common}
     # hand-computed: f32 [batch, seq, d_model] per layer for the layer input, [batch, seq, d_ff] for mlpwi_0
     b, s, L = SCAN_CFG["batch"], SCAN_CFG["seq"], SCAN_CFG["n_layers"]
-    assert scan["decoder_layer_input"] == (4 * b * s * 64 * L, L)
+    # f32 in TPU's (8, 128) tiles (the module the plan counts is hloopt analyze's TPU prediction's):
+    # d_model 64 pads to 128 lanes
+    assert scan["decoder_layer_input"] == (4 * b * s * 128 * L, L)
     assert scan["mlpwi_0"] == (4 * b * s * 128 * L, L)
 
 
@@ -210,6 +215,11 @@ def test_scan_and_unrolled_offer_the_search_the_same_named_candidates(both_forms
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "measured on the TPU prediction the plan counts (hloopt analyze's): the scan form's all-saved "
+    "peak, 64,167,424 B, is not lowered by moving any named residual (its max-slowdown plan keeps "
+    "all five on device), the unrolled form's 57,022,464 B goes to 34,057,216 B (remat 4, offload "
+    "decoder_layer_input); with the old HBM-only timeline both moved them"))
 def test_scan_and_unrolled_plans_decide_the_same_for_every_name(both_forms) -> None:  # type: ignore[no-untyped-def]
     # The two forms' all-saved peaks differ (so do XLA's, libtpu 0.0.42 v5e, everything saved:
     # scan 81.2 MB, unrolled 53.5 MB; the model: 79.3 and 57.4 MB), so budget plans may differ;

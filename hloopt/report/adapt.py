@@ -12,10 +12,12 @@ Two sources, one output:
   one step per layer).
 
 Categories of the plan's baseline: ``residuals`` is exactly what the simulator counts for the
-candidates at each step, and ``on-chip heap`` what libtpu's VMEM heap adds above that where it is
-the larger heap (``Step.floor_bytes``). The rest (``base_bytes``) is split like the
-memory model (:func:`hloopt.passes.memory.categorize`) splits the buffers that hold no residual
-at the highest flat step of the step's entry instruction; where the two totals differ (the
+candidates at each step, and ``on-chip heap`` what a floor (``Step.floor_bytes``) adds above that
+(none in the planner's own Problems, whose floor never exceeds the timeline). The rest
+(``base_bytes``) is split like the memory model (:func:`hloopt.passes.memory.categorize`) splits
+the buffers that hold no residual at the highest flat step of the step's entry instruction (for
+a TPU prediction, over the profile the Problem's timeline is, with its VMEM settlement,
+:func:`memory_category_timeline`); where the two totals differ (the
 Problem counts stacked residuals per layer and per candidate), the difference is settled in
 ``temporaries`` first and ``parameters`` last, and noted in the assumptions when above 1% of the
 peak. So the stack sums to the simulator's baseline at every step: the report draws what the
@@ -97,16 +99,18 @@ def flat_category_bytes(lr: Any, category_of: Mapping[int, str], *, start: Seque
     return {c: np.cumsum(d[:-1]) for c, d in diffs.items()}
 
 
-def memory_category_timeline(prof: Any, settings: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def memory_category_timeline(prof: Any, settings: Mapping[str, Any], *,
+                             category_of: Mapping[int, str] | None = None) -> dict[str, np.ndarray]:
     """The memory model's device timeline (``prof.timeline_bytes``) split by category, per flat step.
 
     Reapplies :class:`PeakMemory`'s counting switches from ``settings`` (outputs live the whole
     program; constants as static allocations; static and code bytes at every step, as
-    ``static``). Raises ValueError when the split does not sum to the model's timeline.
+    ``static``). ``category_of`` overrides the model's categories. Raises ValueError when the
+    split does not sum to the model's timeline.
     """
     lr = prof.ranges
     n = lr.num_steps
-    cats = prof.category_of
+    cats = category_of if category_of is not None else prof.category_of
     if not cats:
         from hloopt.passes.memory import categorize
 
@@ -144,7 +148,8 @@ def _settle_msa(out: dict[str, np.ndarray], prof: Any, fixed: int) -> None:
         out.setdefault(c, np.zeros(n, dtype=np.int64))
     out["temporaries"] += np.maximum(delta, 0)
     owed = np.maximum(-delta, 0)
-    for c in ("temporaries", "activations", "gradients"):
+    # a caller's own bucket ("": the residuals a plan report draws apart) last
+    for c in ("temporaries", "activations", "gradients", *(("",) if "" in out else ())):
         take = np.minimum(owed, out[c])
         out[c] -= take
         owed -= take
@@ -362,8 +367,14 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
             continue
         if b.id not in actions or actions[b.id][0] == "device":  # a moved value names a shared buffer
             actions[b.id] = decided[r.inst.name]
-    # residual buffers are drawn from the simulator; the memory model splits the rest
-    flat = flat_category_bytes(lr, {k: ("" if k in actions else v) for k, v in cats.items()})
+    # residual buffers are drawn from the simulator; the memory model splits the rest (the
+    # profile the timeline is, when there is one: its counted ranges and VMEM settlement)
+    rest = {k: ("" if k in actions else v) for k, v in cats.items()}
+    mem = getattr(an, "memory", None)
+    if mem is not None:
+        flat = memory_category_timeline(mem, {}, category_of=rest)
+    else:
+        flat = flat_category_bytes(lr, rest)
     entry_split, rep = _fold_to_entry(lr, flat)
     entry_split.pop("", None)
     entry_of_step = _step_entries(problem, module.entry)
@@ -403,8 +414,10 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
             "target": f"{plan.target} ({an.source})",
             "plan": f"{plan.mode}" + (f", budget {plan.budget.spec}" if plan.budget else "")
                     + f"; solver {plan.solver.name} ({plan.solver.status})",
-            "memory timeline": "liveness of the analyzed HLO per entry instruction; scanned layers that carry "
-                               "residuals expanded to one step per layer",
+            "memory timeline": ("hloopt analyze's TPU prediction" if getattr(an, "memory", None) is not None
+                                else "liveness of the analyzed HLO")
+                               + " per entry instruction; scanned layers that carry residuals expanded to one "
+                                 "step per layer",
             "device->host": format_rate(problem.d2h_bytes_per_s),
             "host->device": format_rate(problem.h2d_bytes_per_s),
             "both at once (d2h/h2d)": f"{format_rate(problem.duplex_d2h_bytes_per_s)} / "

@@ -1,0 +1,136 @@
+"""One accountant: the planner plans against the machine ``hloopt analyze --platform tpu`` describes.
+
+For a TPU device and a pre-optimization module, the Problem's timeline is the profile analyze
+computes (hloopt/pipeline.py, "One accountant"): replaying "everything on device" gives
+analyze's TPU prediction of the same module byte for byte, on every zoo step, whether it comes
+from the HLO snapshots (lowered with their own policy) or is lowered with every residual saved as
+the planner lowers it. analyze's figure is itself checked against libtpu's
+``peak_memory_in_bytes`` (tests/test_preopt_accuracy.py, tests/test_memory_accuracy.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hloopt.devices import load_profile
+from hloopt.problem import Decisions
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAPSHOTS = sorted((ROOT / "fixtures/hlo/zoo").glob("*.tpu.hlo"))
+MODELS = ("mlp", "convnet", "gpt2", "llama", "sharded")
+PROFILE = load_profile("tpu-v5e")
+
+
+def _analyzed_and_problem(text: str, name: str):  # type: ignore[no-untyped-def]
+    from hloopt import pipeline
+    from hloopt.hlo.parser import parse_module
+
+    an = pipeline.analyze_module(parse_module(text, filename=name), PROFILE)
+    problem, smap = pipeline.build_problem(an, PROFILE)
+    return an, problem, smap
+
+
+def _analyze_peak(text: str, name: str) -> int:
+    from hloopt.analysis import analyze
+    from hloopt.hlo.parser import parse_module
+
+    return analyze(parse_module(text, filename=name), platform="tpu").peak_bytes
+
+
+def _check(text: str, name: str) -> None:
+    from hloopt.analysis import analyze
+    from hloopt.hlo.parser import parse_module
+    from hloopt.simulator import lower_bound_peak, simulate
+
+    report = analyze(parse_module(text, filename=name), platform="tpu")
+    an, problem, smap = _analyzed_and_problem(text, name)
+    base = simulate(problem, Decisions.all_device())
+    assert base.peak_bytes == report.peak_bytes, (name, base.peak_bytes, report.peak_bytes)
+    assert an.peak_bytes == report.peak_bytes
+    # the steps are analyze's schedule: its entry instructions in its order, each the
+    # instruction the Problem's step (first iteration of an expanded loop) stands for
+    prof = report.profile
+    entry_order = [i.name for i in prof.ranges.steps if i.parent is not None and i.parent.is_entry]
+    labels = [problem.steps[smap.first[e]].label.split("[")[0] for e in range(len(smap.first))]
+    assert labels == entry_order
+    # and every step holds analyze's bytes at that instruction, less the layers of a scan's
+    # stacks not written yet (the Problem holds a layer from its forward iteration on; XLA the
+    # whole stack from before the forward loop): never more than analyze's, and equal throughout
+    # without stacks
+    entry_peak = prof.entry_timeline_bytes()
+    stacks = any(r.stacked for r in an.residuals)
+    for e, at in enumerate(entry_peak):
+        got = [base.timeline_bytes[smap.at(e, k)] for k in range(smap.count[e])]
+        assert max(got) <= at and (stacks or got[0] == at), (name, e)
+    # no decision goes under the floor, and the floor is no higher than the all-device peak
+    assert lower_bound_peak(problem) <= base.peak_bytes
+    assert all(s.floor_bytes <= t for s, t in zip(problem.steps, base.timeline_bytes))
+
+
+@pytest.mark.parametrize("path", SNAPSHOTS, ids=[p.stem for p in SNAPSHOTS])
+def test_all_device_replay_is_analyzes_prediction_on_snapshots(path: Path) -> None:
+    _check(path.read_text(), path.name)
+
+
+def _lowered_for_plan(model: str, size: str) -> tuple[str, str]:
+    from hloopt import pipeline
+    from hloopt.hlo.printer import print_module
+    from hloopt.targets import resolve
+
+    tgt = resolve(f"fixtures/zoo/{model}.py:{size}")
+    module, source = pipeline.lower_for_plan(tgt, PROFILE)
+    return print_module(module), source
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_all_device_replay_is_analyzes_prediction_lowered_for_plan_tiny(model: str) -> None:
+    """Lowered with ``everything_saveable``, as the planner lowers a JAX step."""
+    text, source = _lowered_for_plan(model, "tiny")
+    _check(text, f"<{model} {source}>")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp", "convnet", "gpt2", "llama"])
+def test_all_device_replay_is_analyzes_prediction_lowered_for_plan_small(model: str) -> None:
+    text, source = _lowered_for_plan(model, "small")
+    _check(text, f"<{model} {source}>")
+
+
+@pytest.mark.slow
+def test_plans_baseline_is_analyzes_prediction() -> None:
+    """``hloopt plan``'s all-on-device peak is ``hloopt analyze``'s TPU prediction of the module
+    it plans (the step lowered with every residual saved)."""
+    from hloopt import pipeline
+
+    text, source = _lowered_for_plan("mlp", "tiny")
+    out = pipeline.plan("fixtures/zoo/mlp.py:tiny", profile=PROFILE, budget="100%")
+    assert out.plan.predicted.baseline_peak_bytes == _analyze_peak(text, source)
+
+
+def test_taking_a_residual_off_takes_off_what_the_timeline_holds() -> None:
+    """An instance is its buffer as analyze's profile counts it: the stored size (TPU layout), 0
+    where it counts none in HBM (inside an output's allocation); taking every residual off lowers
+    the replay by what they hold, down to no less than the floor."""
+    from hloopt.pipeline import candidate_groups
+
+    text, source = _lowered_for_plan("convnet", "tiny")
+    an, problem, _ = _analyzed_and_problem(text, source)
+    mem = an.memory
+    groups = candidate_groups(an.residuals)
+    checked = 0
+    for c in problem.candidates:
+        rs = groups[c.key]
+        if len(rs) != 1 or rs[0].stacked:
+            continue
+        b = an.ranges.aliasing.buffer_at(rs[0].inst, ())
+        want = an.ranges.size_bytes[b.id] if mem.counted_start[b.id] >= 0 else 0
+        assert c.instances[0].bytes == want, c.key
+        checked += want > 0
+    assert checked
+    from hloopt.problem import Action
+    from hloopt.simulator import simulate
+
+    off = Decisions({c.key: Action.OFFLOAD for c in problem.candidates if Action.OFFLOAD in c.allowed})
+    assert simulate(problem, off).peak_bytes <= simulate(problem, Decisions.all_device()).peak_bytes
