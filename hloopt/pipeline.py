@@ -632,6 +632,8 @@ class PlanOutcome:
 
     #: top-level packages the target's factory uses (frameworks.imported_by), to name its switch
     imports: frozenset[str] = frozenset()
+    #: set when the memory model puts the planned step over the budget (_settle_on_the_model)
+    settle_note: str | None = None
     #: the search's settings, for searching again under other constraints (config_only_plan)
     max_slowdown: float | None = None
     solver: str = "auto"
@@ -846,7 +848,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         raise UserError(f"internal: the chosen plan replays to {result.peak_bytes} B over the budget "
                         f"{budget_bytes} B")
 
-    def build(decisions: Decisions, result: SimResult) -> Any:
+    def build(problem: Problem, decisions: Decisions, result: SimResult) -> Any:
         gap = chosen.mip_gap if chosen.mip_gap == chosen.mip_gap else None  # NaN: no MILP ran
         status = chosen.status or ("optimal" if chosen.optimal else "feasible")
         solver_info = {"name": chosen.solver, "status": status, "gap": gap,
@@ -855,17 +857,19 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                          mode=mode, decisions=decisions, result=result, baseline=baseline,
                          solver=solver_info, pareto=list(sr.pareto) if pareto else None)
 
-    plan_obj = build(decisions, result)
+    plan_obj = build(problem, decisions, result)
+    searched = problem
+    settle_note = None
     if (budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
             and compile is None and an.memory is not None):
         with progress("checking the plan against the memory model (re-lowering with its policy)"):
-            plan_obj, decisions, result = _settle_on_the_model(
+            plan_obj, decisions, result, problem, settle_note = _settle_on_the_model(
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, platform=platform,
                 solver=solver, time_limit_s=time_limit_s)
-    anchors = run_anchors(problem)
+    anchors = run_anchors(searched)  # every policy judged on the whole choice, not the settled one
     return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written,
                        imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
-                       time_limit_s=time_limit_s)
+                       time_limit_s=time_limit_s, settle_note=settle_note)
 
 
 #: re-searches with a tighter budget when the memory model puts the planned step over the budget
@@ -873,18 +877,22 @@ SETTLE_ROUNDS = 3
 
 
 def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,
-                         budget_bytes: int, build: Callable[[Decisions, SimResult], Any], *,
-                         platform: str | None, solver: str, time_limit_s: float) -> tuple[Any, Decisions, SimResult]:
+                         budget_bytes: int, build: Callable[[Problem, Decisions, SimResult], Any], *,
+                         platform: str | None, solver: str,
+                         time_limit_s: float) -> tuple[Any, Decisions, SimResult, Problem, str | None]:
     """The plan's predicted peak from the memory model ``hloopt analyze`` runs, on the step lowered
     with the plan's policy, and a plan that model puts within the budget.
 
     The Problem replays a decision by taking the residual's counted bytes off its live range; the
     memory model (libtpu's larger of the HBM and VMEM heaps over memory-space assignment,
-    output-allocation reuse, the schedule) does not change linearly with that, so the replay can
-    be below the model on the planned step (llama small at 75%: -9%). The planned step is lowered
-    and analyzed; while the model puts it over the budget, the search runs again with the budget
-    lowered by the overshoot (at most :data:`SETTLE_ROUNDS` times). The plan's predicted peak is
-    the model's figure for the step it hands out."""
+    output-allocation reuse, the schedule, libtpu copying a value offloaded outside a loop straight
+    back) does not move linearly with that, so the replay can be below the model on the planned
+    step. The planned step is lowered and analyzed; while the model puts it over the budget: first
+    offloads outside loops are taken out of the choices (libtpu copies them back at once, so they
+    free nothing there), then the budget the search aims at is lowered by the overshoot, at most
+    :data:`SETTLE_ROUNDS` searches in all. The plan's predicted peak is the model's figure for the
+    step it hands out; the last value is a note when no plan the model puts within the budget
+    was found."""
     from hloopt.analysis import analyze
     from hloopt.emit import policy
     from hloopt.hlo.parser import parse_module
@@ -892,30 +900,43 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     from hloopt.search import search
     from hloopt.simulator import lower_bound_peak, simulate
 
-    floor = lower_bound_peak(problem)
     target = budget_bytes
     best = None
-    for _ in range(SETTLE_ROUNDS + 1):
+    eager = [c for c in problem.candidates if f"eager:{c.key}" in problem.notes and Action.OFFLOAD in c.allowed]
+    for round_ in range(SETTLE_ROUNDS + 1):
         text = lower(tgt, platform=platform or "tpu", policy=policy(plan_obj)).hlo_text
         modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (planned)"), platform="tpu").peak_bytes)
         # the first plan that fits (the fastest: searched under the loosest budget), else the lowest
         if best is None or modeled < best[0]:
-            best = (modeled, plan_obj, decisions, result)
-        if modeled <= budget_bytes:
+            best = (modeled, plan_obj, decisions, result, problem)
+        if modeled <= budget_bytes or round_ == SETTLE_ROUNDS:
             break
-        target -= modeled - budget_bytes
-        if target < floor:
+        if eager and any(decisions.action(c.key) == Action.OFFLOAD for c in eager):
+            problem = dataclasses.replace(problem, candidates=tuple(
+                dataclasses.replace(c, allowed=c.allowed - {Action.OFFLOAD}) if c in eager else c
+                for c in problem.candidates))
+            eager = []
+        else:
+            target -= modeled - budget_bytes
+        if target < lower_bound_peak(problem):
             break
         try:
             decisions = search(problem, budget_bytes=target, solver=solver, time_limit_s=time_limit_s).plan.decisions
         except InfeasibleBudget:
             break
         result = simulate(problem, decisions)
-        plan_obj = build(decisions, result)
+        plan_obj = build(problem, decisions, result)
     assert best is not None
-    modeled, plan_obj, decisions, result = best
+    modeled, plan_obj, decisions, result, problem = best
     plan_obj = dataclasses.replace(plan_obj, predicted=dataclasses.replace(plan_obj.predicted, peak_bytes=modeled))
-    return plan_obj, decisions, result
+    note = None
+    if modeled > budget_bytes:
+        from hloopt.units import format_bytes
+
+        note = (f"the memory model puts the planned step at {format_bytes(modeled)}, over the budget "
+                f"{format_bytes(budget_bytes)}: no plan it puts within the budget was found "
+                f"(hloopt verify --compile tpu-... gives the compiler's figure)")
+    return plan_obj, decisions, result, problem, note
 
 
 def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:
