@@ -65,6 +65,38 @@ def test_maxtext_reads_the_emitted_fragment_as_the_plan() -> None:
     assert set(cfg.tensors_to_offload) == {"query_proj", "kv_proj", "moe_mlpwo"}
 
 
+@pytest.mark.parametrize("preset", ["minimal", "minimal_offloaded", "qkv_proj_offloaded", "full"])
+def test_anchors_act_on_every_name_as_maxtexts_own_preset_policy(preset: str) -> None:
+    """hloopt's MaxText anchors against the checkpoint policy MaxText's decoder builds for the preset
+    (``NNXDecoder.get_remat_policy``), asked about every MaxText tensor name."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import Offloadable, checkpoint_name
+    from maxtext.layers.nnx_decoders import NNXDecoder
+
+    from hloopt.anchors import ANCHORS
+    from hloopt.problem import Action
+
+    cfg = maxtext_llama2.config("tiny", remat_policy=preset)
+    decoder = SimpleNamespace(config=cfg)
+    decoder.minimal_policy = lambda **kw: NNXDecoder.minimal_policy(decoder, **kw)
+    policy = NNXDecoder.get_remat_policy(decoder)  # None for full: recompute everything
+    name_p = jax.make_jaxpr(lambda x: checkpoint_name(x, "n"))(1.0).eqns[0].primitive
+    aval = jax.core.ShapedArray((2,), jnp.float32)
+    anchor = next(a for a in ANCHORS if a.kind == "maxtext" and a.name == preset)
+
+    def maxtexts(name: str) -> Action:
+        answer = policy(name_p, aval, name=name) if policy is not None else False
+        if isinstance(answer, Offloadable):
+            return Action.OFFLOAD
+        return Action.DEVICE if answer is True or type(answer).__name__ == "Saveable" else Action.REMAT
+
+    for name in emit.MAXTEXT_NAMES:
+        assert anchor.decide(SimpleNamespace(name=name, primitive="name")) == maxtexts(name), name
+
+
 # -- MaxText's step, on a deviceless TPU mesh (libtpu: one process at a time) ------------------
 
 def _names(step, args) -> set[str]:  # type: ignore[no-untyped-def]
