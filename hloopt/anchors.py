@@ -10,7 +10,7 @@ choice per candidate:
 * a candidate outside every ``jax.checkpoint`` is not governed by any policy: it stays on device
   (its ``allowed`` actions say so).
 
-MaxText presets follow MaxText's ``get_remat_policy`` (decoders.py): ``minimal`` saves the
+MaxText presets follow MaxText's ``get_remat_policy`` (0.2.5: layers/nnx_decoders.py): ``minimal`` saves the
 projection tensors, ``minimal_offloaded`` offloads them, ``qkv_proj_offloaded`` offloads the q/k/v
 projections, ``full`` saves nothing.
 """
@@ -22,12 +22,13 @@ from typing import Callable
 
 from hloopt.problem import Action, Candidate, Decisions, Problem
 
-#: The tensors MaxText's ``minimal`` / ``minimal_offloaded`` presets save / offload.
+#: The tensors MaxText's ``minimal`` / ``minimal_offloaded`` presets save / offload (MaxText 0.2.5,
+#: layers/nnx_decoders.py ``minimal_policy`` and ``get_remat_policy``).
 MAXTEXT_MINIMAL_NAMES = frozenset({
-    "query_proj", "value_proj", "key_proj", "qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi",
+    "query_proj", "value_proj", "key_proj", "kv_proj", "qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi",
     "mlpwo",
 })
-MAXTEXT_QKV_NAMES = frozenset({"query_proj", "value_proj", "key_proj"})
+MAXTEXT_QKV_NAMES = frozenset({"query_proj", "value_proj", "key_proj", "kv_proj"})
 
 
 @dataclass(frozen=True)

@@ -40,10 +40,17 @@ __all__ = [
     "MAXTEXT_NAMES", "PlanPolicy", "annotate_hlo", "load_plan", "maxtext_yaml", "policy", "python_snippet",
 ]
 
-#: MaxText's custom remat_policy keys (``configs/base.yml``), in its order.
+#: The tensor keys MaxText's ``remat_policy: custom`` reads (MaxText 0.2.5: ``MaxTextConfig`` turns
+#: them into ``tensors_on_device`` / ``tensors_to_offload`` for JAX's
+#: ``save_and_offload_only_these_names``), in ``configs/base.yml``'s order. Each is also the
+#: ``checkpoint_name`` MaxText's layers give the tensor (the MoE ones nest inside the dense names:
+#: ``moe_mlpwi_0`` names the value already named ``mlpwi_0``). base.yml's ``engram`` key is left out:
+#: the custom policy does not read it.
 MAXTEXT_NAMES: tuple[str, ...] = (
-    "decoder_layer_input", "context", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "query_proj", "key_proj",
-    "value_proj", "qkv_proj", "out_proj", "mla_q", "mla_kv",
+    "decoder_layer_input", "indexer_cutoff_threshold", "context", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo",
+    "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo", "moe_x_sorted", "moe_routing_maps",
+    "query_proj", "key_proj", "value_proj", "kv_proj", "qkv_proj", "out_proj",
+    "query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "attention_out",
 )
 #: MaxText's default for keys a plan does not decide: the layer input is the remat start point.
 MAXTEXT_DEFAULTS: Mapping[str, str] = {"decoder_layer_input": "device"}

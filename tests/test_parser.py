@@ -271,3 +271,24 @@ def test_verifier_on_a_module_built_in_code() -> None:
     mod.entry["a"].is_root = True
     with pytest.raises(HloVerifyError, match="more than one ROOT"):
         verify_module(mod)
+
+
+def test_tuple_element_operands_are_get_tuple_elements() -> None:
+    """XLA's dump files (jaxlib >= 0.12) write element i of a tuple-shaped instruction as ``%t#i``
+    and leave out its get-tuple-element: the module reads as the one with the instruction."""
+    short = ("HloModule m\nENTRY e {\n  %p = (f32[2]{0}, s32[]) parameter(0)\n"
+             "  %n = f32[2]{0} negate(%p#0)\n  ROOT %r = (f32[2]{0}, s32[]) tuple(f32[2]{0} %n, %p#1)\n}\n")
+    full = ("HloModule m\nENTRY e {\n  %p = (f32[2]{0}, s32[]) parameter(0)\n"
+            "  %g0 = f32[2]{0} get-tuple-element(%p), index=0\n  %g1 = s32[] get-tuple-element(%p), index=1\n"
+            "  %n = f32[2]{0} negate(%g0)\n  ROOT %r = (f32[2]{0}, s32[]) tuple(f32[2]{0} %n, %g1)\n}\n")
+    a, b = parse_module(short).entry, parse_module(full).entry
+    assert [(i.opcode, str(i.shape), i.attrs.get("index")) for i in a.instructions] == \
+        [(i.opcode, str(i.shape), i.attrs.get("index")) for i in b.instructions]
+    g0 = a.by_name["p.element0"]
+    assert g0.operands == [a.by_name["p"]] and a.by_name["n"].operands == [g0]
+    assert [i.index for i in a.instructions] == list(range(len(a.instructions)))
+    # printed, it reads back the same
+    again = parse_module(print_module(parse_module(short))).entry
+    assert [(i.name, i.opcode) for i in again.instructions] == [(i.name, i.opcode) for i in a.instructions]
+    with pytest.raises(HloParseError, match=r"operand 'p#2' is element 2 of 'p'"):
+        parse_module(short.replace("%p#1)", "%p#2)"))

@@ -37,6 +37,7 @@ def offload_all(p: Problem) -> Decisions:
 
 
 def approx(xs):
+    """Flat sequences only: pytest >= 9 does not compare nested ones approximately."""
     return pytest.approx(xs, rel=1e-9, abs=1e-12)
 
 

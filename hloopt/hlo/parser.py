@@ -43,6 +43,10 @@ MAX_DIM = 1 << 62
 
 _WS = re.compile(r"(?:[ \t\r\n]++|//[^\n]*+|/\*(?:[^*]|\*(?!/))*+\*/)*+")
 _NAME = re.compile(r"%?([A-Za-z_$][\w.\-$]*)")
+# An operand: an instruction's name, or ``name#i``, element i of a tuple-shaped instruction (XLA's
+# dump files write tuple elements so, without get-tuple-element instructions; see link()).
+_OPERAND_NAME = re.compile(r"%?([A-Za-z_$][\w.\-$]*(?:#\d+)?)")
+_TUPLE_ELEMENT = re.compile(r"(.+)#(\d+)")
 _INST_HEAD = re.compile(r"(ROOT[ \t]+)?%?([A-Za-z_$][\w.\-$]*)[ \t]*=[ \t]*")
 _ARRAY_SHAPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]\[]*)\](\{[^{}]*\})?")
 _OPCODE = re.compile(r"\s*([a-z][a-z0-9\-_]*)[ \t]*\(")
@@ -53,10 +57,10 @@ _SPACE_GROUP = re.compile(r"[ \t]+[{\[]")
 _FLAT_BRACES = re.compile(r'\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 _STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
 _BAL_TOKEN = re.compile(r'[^{}\[\]()"/]+|"(?:[^"\\]|\\.)*"|/\*(?:[^*]|\*(?!/))*\*/|.', re.S)
-_SIMPLE_OPERAND = re.compile(r"[ \t\r\n]*(?:/\*[^*]*\*/[ \t\r\n]*)?%?([A-Za-z_$][\w.\-$]*)[ \t\r\n]*(?:,|$)")
+_SIMPLE_OPERAND = re.compile(r"[ \t\r\n]*(?:/\*[^*]*\*/[ \t\r\n]*)?%?([A-Za-z_$][\w.\-$]*(?:#\d+)?)[ \t\r\n]*(?:,|$)")
 _LONG_OPERAND = re.compile(
     r"[ \t\r\n]*(?:/\*[^*]*\*/[ \t\r\n]*)?(?:([a-z][a-z0-9]*\[[^\]\[]*\](?:\{[^{}]*\})?)[ \t\r\n]+)?"
-    r"%?([A-Za-z_$][\w.\-$]*)"
+    r"%?([A-Za-z_$][\w.\-$]*(?:#\d+)?)"
     r"[ \t\r\n]*(?:,|$)"
 )
 _TABLE_ROW = re.compile(r"[ \t]*(\d+)[ \t]+(\"(?:[^\"\\]|\\.)*\"|\{[^{}\n]*\})[ \t]*\n?")
@@ -78,11 +82,11 @@ _FAST_INST = re.compile(
     r"((?:[ \t]*,[ \t]*[A-Za-z_][\w\-.]*=" + _ATTR_VALUE_FAST + r")*)"
     r"[ \t]*(?=\n|$)")
 _FAST_ATTR = re.compile(r"[ \t]*,[ \t]*([A-Za-z_][\w\-.]*)=(" + _ATTR_VALUE_FAST + r")")
-_FAST_NAME = r"%?[A-Za-z_$][\w.\-$]*"
+_FAST_NAME = r"%?[A-Za-z_$][\w.\-$]*(?:#\d+)?"
 _SHORT_OPS = re.compile(r"[ \t]*" + _FAST_NAME + r"[ \t]*(?:,[ \t]*" + _FAST_NAME + r"[ \t]*)*")
 _LONG_OP = r"[a-z][a-z0-9]*\[[^\]\[]*\](?:\{[^{}]*\})?[ \t]+" + _FAST_NAME
 _LONG_OPS = re.compile(r"[ \t]*" + _LONG_OP + r"[ \t]*(?:,[ \t]*" + _LONG_OP + r"[ \t]*)*")
-_LONG_OP_ITEM = re.compile(r"([a-z][a-z0-9]*\[[^\]\[]*\](?:\{[^{}]*\})?)[ \t]+%?([A-Za-z_$][\w.\-$]*)")
+_LONG_OP_ITEM = re.compile(r"([a-z][a-z0-9]*\[[^\]\[]*\](?:\{[^{}]*\})?)[ \t]+%?([A-Za-z_$][\w.\-$]*(?:#\d+)?)")
 _WS_FAST = re.compile(r"[ \t\r\n]*")
 _CALLED_KEYS = frozenset(CALLED_COMPUTATION_ATTRS)
 
@@ -833,7 +837,7 @@ class _Parser:
                     raise self.expected(q, "',' between operands")
                 p = q
                 continue
-            nm = _NAME.match(text, q, end)
+            nm = _OPERAND_NAME.match(text, q, end)
             if nm is None:
                 raise self.error(q, "cannot parse as an instruction name: expected operand name, "
                                     f"found {_found(text, q)}")
@@ -849,9 +853,55 @@ class _Parser:
         return names
 
     # -- resolution ----------------------------------------------------------------------------
+    def _tuple_elements(self, comp: Computation) -> None:
+        """Give each ``t#i`` operand of ``comp`` the instruction it stands for: a
+        ``get-tuple-element(t), index=i`` named ``t.element<i>``, placed right after ``t`` (XLA's
+        dump files leave these instructions out and write the element so; ``as_text()`` keeps
+        them). The name is one HLO text can hold, so the module prints and re-parses."""
+        by_name = comp.by_name
+        wanted: dict[str, list[str]] = {}
+        for inst in comp.instructions:
+            names: list[str] = inst.operands  # type: ignore[assignment]  # names until link() resolves them
+            for nm in names:
+                if "#" in nm and nm not in by_name:
+                    base, _ = _TUPLE_ELEMENT.fullmatch(nm).groups()  # type: ignore[union-attr]
+                    if nm not in wanted.setdefault(base, []):
+                        wanted[base].append(nm)
+        if not wanted:
+            return
+        renamed: dict[str, str] = {}
+        out: list[Instruction] = []
+        for inst in comp.instructions:
+            out.append(inst)
+            for nm in wanted.get(inst.name, ()):
+                index = int(_TUPLE_ELEMENT.fullmatch(nm).group(2))  # type: ignore[union-attr]
+                if not inst.shape.is_tuple or index >= len(inst.shape.tuple_shapes):
+                    raise self.error(self._pos_of(inst), f"operand {nm!r} is element {index} of "
+                                     f"{inst.name!r}, whose shape {inst.shape.to_text(layout=False)} "
+                                     "has no such element")
+                name = f"{inst.name}.element{index}"
+                while name in by_name:
+                    name += "_"
+                gte = Instruction(name, "get-tuple-element", inst.shape.tuple_shapes[index])
+                gte.operands = [inst.name]  # type: ignore[list-item]
+                gte.attrs = {"index": str(index)}
+                gte.parent = comp
+                gte.span = inst.span
+                by_name[name] = gte
+                renamed[nm] = name
+                out.append(gte)
+        for inst in out:
+            names = inst.operands  # type: ignore[assignment]
+            if any("#" in nm for nm in names):
+                inst.operands = [renamed.get(nm, nm) for nm in names]  # type: ignore[misc]
+        comp.instructions[:] = out
+        for i, inst in enumerate(out):
+            inst.index = i
+
     def link(self, mod: Module) -> None:
         comps = mod.computations
         for comp in comps.values():
+            self._tuple_elements(comp)
             by_name = comp.by_name
             params: dict[int, Instruction] = {}
             for inst in comp.instructions:

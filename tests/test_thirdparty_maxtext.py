@@ -1,0 +1,143 @@
+"""MaxText as a TARGET (``fixtures/thirdparty/maxtext_llama2.py``) and hloopt's MaxText emitter,
+checked against MaxText itself (0.2.5; Python >= 3.12, fixtures/thirdparty/requirements-py312.txt).
+
+* The ``remat_policy: custom`` fragment hloopt emits is read by MaxText's own config
+  (``pyconfig.initialize``): the keys hloopt writes are exactly those MaxText's custom policy reads,
+  and a plan's device/offload/remat choices come out as MaxText's ``tensors_on_device`` /
+  ``tensors_to_offload``.
+* (slow, tpu) MaxText's own train step, built on a deviceless v5e mesh: its ``checkpoint_name``
+  names are MaxText keys hloopt can emit, and the compiled step's peak orders the presets as their
+  policies say (libtpu's figures, not recorded ones).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+THIRDPARTY = ROOT / "fixtures" / "thirdparty"
+
+import hloopt.lowering  # noqa: E402,F401  (before jax: XLA_FLAGS / JAX_PLATFORMS)
+
+pytest.importorskip("maxtext", reason="MaxText is a Python >= 3.12 target: "
+                    "pip install -r fixtures/thirdparty/requirements-py312.txt")
+
+import yaml  # noqa: E402
+from test_plan import make_plan, named  # noqa: E402
+
+from hloopt import emit  # noqa: E402
+
+if str(THIRDPARTY) not in sys.path:
+    sys.path.insert(0, str(THIRDPARTY))
+
+import maxtext_llama2  # noqa: E402
+
+
+def _remat_location_keys() -> list[str]:
+    """Every config key MaxText types as a remat location ('remat' | 'device' | 'offload')."""
+    from maxtext.configs import types
+
+    return [k for k, f in types.MaxTextConfig.model_fields.items() if f.annotation is types.RematLocation]
+
+
+def test_emitted_keys_are_those_maxtexts_custom_policy_reads() -> None:
+    every = {k: "device" for k in _remat_location_keys()}
+    # indexer_cutoff_threshold may be kept only with MLA's sparse indexer on (MaxText validates it)
+    cfg = maxtext_llama2.config("tiny", remat_policy="custom", use_indexer=True, attention_type="mla",
+                                q_lora_rank=64, **every)
+    # The keys MaxText turns into save_and_offload_only_these_names' lists.
+    assert set(cfg.tensors_on_device) == set(emit.MAXTEXT_NAMES)
+    assert cfg.tensors_to_offload == []
+    # base.yml has one more remat-location key that the custom policy does not read.
+    assert set(every) - set(emit.MAXTEXT_NAMES) == {"engram"}
+
+
+def test_maxtext_reads_the_emitted_fragment_as_the_plan() -> None:
+    plan = make_plan((named("query_proj"), named("kv_proj"), named("attention_out", "device"),
+                      named("mlpwi_0", "device"), named("moe_mlpwo"), named("mlpwo", "remat")))
+    fragment = yaml.safe_load(emit.maxtext_yaml(plan))
+    cfg = maxtext_llama2.config("tiny", **fragment)
+    assert cfg.remat_policy == "custom"
+    assert set(cfg.tensors_on_device) == {"decoder_layer_input", "attention_out", "mlpwi_0"}
+    assert set(cfg.tensors_to_offload) == {"query_proj", "kv_proj", "moe_mlpwo"}
+
+
+@pytest.mark.parametrize("preset", ["minimal", "minimal_offloaded", "qkv_proj_offloaded", "full"])
+def test_anchors_act_on_every_name_as_maxtexts_own_preset_policy(preset: str) -> None:
+    """hloopt's MaxText anchors against the checkpoint policy MaxText's decoder builds for the preset
+    (``NNXDecoder.get_remat_policy``), asked about every MaxText tensor name."""
+    from types import SimpleNamespace
+
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import Offloadable, checkpoint_name
+    from maxtext.layers.nnx_decoders import NNXDecoder
+
+    from hloopt.anchors import ANCHORS
+    from hloopt.problem import Action
+
+    cfg = maxtext_llama2.config("tiny", remat_policy=preset)
+    decoder = SimpleNamespace(config=cfg)
+    decoder.minimal_policy = lambda **kw: NNXDecoder.minimal_policy(decoder, **kw)
+    policy = NNXDecoder.get_remat_policy(decoder)  # None for full: recompute everything
+    name_p = jax.make_jaxpr(lambda x: checkpoint_name(x, "n"))(1.0).eqns[0].primitive
+    aval = jax.core.ShapedArray((2,), jnp.float32)
+    anchor = next(a for a in ANCHORS if a.kind == "maxtext" and a.name == preset)
+
+    def maxtexts(name: str) -> Action:
+        answer = policy(name_p, aval, name=name) if policy is not None else False
+        if isinstance(answer, Offloadable):
+            return Action.OFFLOAD
+        return Action.DEVICE if answer is True or type(answer).__name__ == "Saveable" else Action.REMAT
+
+    for name in emit.MAXTEXT_NAMES:
+        assert anchor.decide(SimpleNamespace(name=name, primitive="name")) == maxtexts(name), name
+
+
+# -- MaxText's step, on a deviceless TPU mesh (libtpu: one process at a time) ------------------
+
+def _names(step, args) -> set[str]:  # type: ignore[no-untyped-def]
+    from record_maxtext import jaxpr_facts
+
+    return set(jaxpr_facts(step, args)["checkpoint_names"])
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_maxtexts_step_names_are_keys_hloopt_emits_and_it_lowers() -> None:
+    from hloopt.analysis import analyze
+    from hloopt.hlo.parser import parse_module
+
+    step, args = maxtext_llama2.make("tiny", remat_policy="full")
+    # MaxText's Llama2 block with dot-product attention names these (no context: only its
+    # cuDNN/TE attention names that).
+    assert _names(step, args) == {"decoder_layer_input", "query_proj", "key_proj", "value_proj",
+                                  "attention_out", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwo"}
+    assert _names(step, args) <= set(emit.MAXTEXT_NAMES)
+    lowered = hloopt.lowering.lower(step, *args, platform="tpu")
+    report = analyze(parse_module(lowered.hlo_text), platform="tpu")
+    # The step's arguments are MaxText's train state (f32 weights, AdamW mu and nu) and the batch.
+    import jax
+
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
+    assert report.profile.argument_bytes >= state_bytes > 0
+    assert report.peak_bytes > report.profile.argument_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_compiled_presets_order_as_their_policies_say() -> None:
+    """libtpu's peak of MaxText's tiny step: saving the projections (minimal) takes more HBM than
+    recomputing them (full), and offloading them (minimal_offloaded) moves bytes to host."""
+    peak, host = {}, {}
+    for preset in ("full", "minimal", "minimal_offloaded"):
+        step, args = maxtext_llama2.make("tiny", remat_policy=preset)
+        lowered = hloopt.lowering.lower(step, *args, platform="tpu", compile="tpu-v5e")
+        assert lowered.memory is not None
+        peak[preset] = lowered.memory["peak_memory_in_bytes"]
+        host[preset] = lowered.memory["host_temp_size_in_bytes"]
+    assert peak["minimal"] > peak["full"]
+    assert host["minimal_offloaded"] > 0 == host["minimal"] == host["full"]
