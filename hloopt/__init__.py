@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["apply_plan", "apply_policy", "auto_offload", "lower", "override_policies", "policy", "use_plan",
+__all__ = ["apply_plan", "apply_policy", "apply_state_plan", "auto_offload", "lower", "override_policies", "policy", "use_plan",
            "use_policy"]
 
 #: public name -> (module, attribute); imported on first use, so that ``import hloopt`` and the
@@ -18,6 +18,7 @@ _LAZY = {
     "use_policy": ("hloopt.apply", "use_policy"),
     "apply_policy": ("hloopt.apply", "apply_policy"),
     "override_policies": ("hloopt.policy_override", "override_policies"),
+    "apply_state_plan": ("hloopt.state", "apply_state_plan"),
 }
 
 

@@ -30,12 +30,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from hloopt.errors import UserError
 
-__all__ = ["ACTIONS", "StateGroup", "apply_state_plan", "compile_placed", "on_host", "state_groups",
+__all__ = ["ACTIONS", "StateGroup", "apply_state_plan", "compile_placed", "load_placement", "on_host", "state_groups",
            "tpu_array_bytes"]
 
 #: where a group may live
@@ -170,12 +172,31 @@ def _base_sharding(leaf: Any, default: Any) -> Any:
     return s if isinstance(s, Sharding) else default
 
 
-def apply_state_plan(placement: Mapping[str, str], step: Callable[..., Any],
+def load_placement(placement: Mapping[str, str] | str | os.PathLike[str]) -> dict[str, str]:
+    """A placement: a mapping as given, or a JSON file holding ``{"placement": {group: where}}``
+    (the mapping alone is accepted too)."""
+    if isinstance(placement, Mapping):
+        return dict(placement)
+    path = os.fspath(placement)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise UserError(f"{path}: cannot read the placement file ({err.strerror})") from err
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}:{err.colno}: not JSON: {err.msg}") from err
+    data = data.get("placement", data) if isinstance(data, dict) else data
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
+        raise UserError(f'{path}: expected {{"placement": {{"<group>": "device" | "host", ...}}}}')
+    return data
+
+
+def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step: Callable[..., Any],
                      args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     """``(step2, args2)``: ``step`` jitted with the placement's memory kinds, and ``args`` on them.
 
     ``placement`` maps :func:`state_groups` names to ``"device"``/``"host"`` (unnamed groups stay
-    on device). Abstract leaves come back as ``ShapeDtypeStruct`` with the sharding, concrete
+    on device), or is a placement file (:func:`load_placement`). Abstract leaves come back as ``ShapeDtypeStruct`` with the sharding, concrete
     arrays are moved there. Leaves without a sharding get one on ``jax.devices()[0]``.
     """
     import jax
@@ -183,6 +204,7 @@ def apply_state_plan(placement: Mapping[str, str], step: Callable[..., Any],
     from jax.tree_util import keystr
 
     args = tuple(args)
+    placement = load_placement(placement)
     groups = state_groups(step, args)
     _check_placement(placement, groups)
     host_leaves = {(g.argnum, leaf) for g in groups if placement.get(g.name) == "host" for leaf in g.leaves}

@@ -147,3 +147,32 @@ def test_tpu_host_bytes_are_the_placed_groups(size: str) -> None:
     assert (before["output_size_in_bytes"] - after["output_size_in_bytes"]
             == pytest.approx(tpu_bytes, rel=0.03))
     assert nbytes <= tpu_bytes
+
+
+def test_placement_file(tmp_path: Path) -> None:
+    import json
+
+    step, args = mlp.make("tiny")
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"placement": OPT_HOST}))
+    _, args2 = apply_state_plan(path, step, args)
+    assert args2[1][0].mu["head"]["w"].sharding.memory_kind == "pinned_host"
+    path.write_text('{"placement": ["opt_state[0].mu"]}')
+    with pytest.raises(UserError, match="placement.json: expected"):
+        apply_state_plan(path, step, args)
+
+
+def test_cli_lists_groups_as_json() -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from hloopt.cli import cli
+
+    result = CliRunner().invoke(cli, ["state", "fixtures/zoo/mlp.py:tiny", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r for r in json.loads(result.output)}
+    step, args = mlp.make("tiny")
+    for g in state_groups(step, args):
+        assert rows[g.name]["bytes"] == g.nbytes and rows[g.name]["tpu_bytes"] == g.tpu_bytes
+    assert rows["opt_state[0].mu"]["bytes"] == 4 * (32 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10)

@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "diff": "diff_cmd:diff",
     "plan": "plan_cmd:plan",
     "residuals": "residuals_cmd:residuals",
+    "state": "state_cmd:state",
 }
 
 
