@@ -5,14 +5,13 @@ splits them into groups at the first *named* key of each leaf's path (a dict key
 field): ``params['hidden']``, ``params['head']``, ``opt_state[0].mu``, ``opt_state[0].nu``,
 ``opt_state[0].count``, ... (sequence indices before it are kept, so two chained optimizers'
 ``mu`` stay apart). Each group has its bytes as the step's arrays hold them and as libtpu lays
-them out (``T(8,128)`` tiles on the two minor dimensions, 1-D arrays in ``T(128)``..``T(1024)``,
-512-byte aligned: the layout ``host_argument_size_in_bytes`` counts).
+them out on the host (:func:`tpu_array_bytes`: what ``host_argument_size_in_bytes`` counts).
 
 A *placement* maps group names to ``"device"`` or ``"host"``. :func:`apply_state_plan` applies
 one to an unmodified step: the arguments of host groups are re-typed (or, when concrete, moved)
 with ``memory_kind="pinned_host"`` shardings; the returned step is ``jax.jit`` with those
 ``in_shardings``, moves each host leaf to device memory where the step starts
-(``jax.device_put(x, <device sharding>)``, which JAX lowers to a transfer), and its
+(``jax.device_put(x, jax.memory.Space.Device)``, which JAX lowers to a transfer), and its
 ``out_shardings`` put every output that is the updated value of a host argument (same argument
 position and path, same shape and dtype: the ``(params, opt_state, batch) -> (params, opt_state,
 loss)`` convention) back on the host. What XLA does with the transfers is XLA's: libtpu 0.0.42
@@ -72,17 +71,16 @@ class StateGroup:
 
 
 def tpu_array_bytes(shape: tuple[int, ...], dtype: Any) -> int:
-    """Bytes of an array in libtpu's default layout for parameters: the last two dimensions
-    tiled ``T(8,128)`` (fewer sublanes for small or packed types), 1-D arrays in one
-    ``T(128)``..``T(1024)`` tile row, 512-byte aligned."""
+    """Bytes of an array in libtpu's most compact tiled layout (``T(8,128)`` tiles over the pair
+    of dimensions that pads least, fewer sublanes for small or packed types; 1-D arrays in one
+    ``T(128)``..``T(1024)`` row; 512-byte aligned). libtpu 0.0.42 lays out pinned_host arguments
+    so: mlp small's ``f32[4096,1000]`` head takes 4096 x 1000 x 4 bytes on the host, not the
+    size padded to 1024 lanes, while its ``f32[1000]`` bias takes 4096 bytes and a scalar 512."""
     import numpy as np
 
-    from hloopt.passes.fusion_model import tpu_compact_bytes, tpu_layout_bytes
+    from hloopt.passes.fusion_model import tpu_compact_bytes
 
-    etype = _HLO_TYPES.get(np.dtype(dtype).name, "f32")
-    if len(shape) <= 1:
-        return tpu_compact_bytes(etype, tuple(shape))
-    return tpu_layout_bytes(etype, tuple(shape), len(shape) - 1, len(shape) - 2)
+    return tpu_compact_bytes(_HLO_TYPES.get(np.dtype(dtype).name, "f32"), tuple(shape))
 
 
 def _arg_names(step: Callable[..., Any], n: int) -> list[str]:

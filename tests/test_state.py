@@ -52,8 +52,10 @@ def test_groups_of_tiny_mlp_hand_computed() -> None:
 def test_tpu_layout_bytes_hand_computed() -> None:
     # (32, 64) f32: 32 rows (multiple of 8), 64 lanes padded to 128
     assert tpu_array_bytes((32, 64), np.float32) == 32 * 128 * 4
-    # (64, 10): 10 lanes padded to 128
-    assert tpu_array_bytes((64, 10), np.float32) == 64 * 128 * 4
+    # (64, 10): 64 on the lanes (padded to 128), 10 on the sublanes (padded to 16) pads least
+    assert tpu_array_bytes((64, 10), np.float32) == 16 * 128 * 4
+    # (4096, 1000): 1000 rows are whole 8-row tiles, 4096 whole lanes: no padding
+    assert tpu_array_bytes((4096, 1000), np.float32) == 4096 * 1000 * 4
     # 1-D: (10,) in one T(128) row, aligned to 512 bytes; a scalar takes 512 bytes
     assert tpu_array_bytes((10,), np.float32) == 512
     assert tpu_array_bytes((), np.int32) == 512
