@@ -103,12 +103,15 @@ def _leaves_equal(a: object, b: object) -> bool:
 
 
 @pytest.mark.slow
-def test_cpu_placed_step_computes_the_same_numbers() -> None:
+@pytest.mark.parametrize("model,extra", [("mlp", "params['hidden']"), ("llama", "params['layers']")])
+def test_cpu_placed_step_computes_the_same_numbers(model: str, extra: str) -> None:
+    import importlib
+
     assert "pinned_host" in {m.kind for m in jax.devices("cpu")[0].addressable_memories()}
-    step, args = mlp.make("tiny", abstract=False)
-    step2, args2 = apply_state_plan(OPT_HOST | {"params['hidden']": "host"}, step, args)
+    step, args = importlib.import_module(f"fixtures.zoo.{model}").make("tiny", abstract=False)
+    step2, args2 = apply_state_plan(OPT_HOST | {extra: "host"}, step, args)
     want, got = jax.jit(step)(*args), step2(*args2)
-    assert got[1][0].mu["head"]["w"].sharding.memory_kind == "pinned_host"
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(got[1][0].mu)} == {"pinned_host"}
     assert _leaves_equal(want, got)
 
 
