@@ -37,7 +37,7 @@ from typing import Any
 from hloopt.errors import UserError
 
 __all__ = ["ACTIONS", "StateGroup", "apply_state_plan", "compile_placed", "load_placement", "on_host", "state_groups",
-           "tpu_array_bytes"]
+           "tpu_array_bytes", "transfer_s"]
 
 #: where a group may live
 ACTIONS: tuple[str, ...] = ("device", "host")
@@ -81,6 +81,18 @@ def tpu_array_bytes(shape: tuple[int, ...], dtype: Any) -> int:
     from hloopt.passes.fusion_model import tpu_compact_bytes
 
     return tpu_compact_bytes(_HLO_TYPES.get(np.dtype(dtype).name, "f32"), tuple(shape))
+
+
+def transfer_s(group: StateGroup, profile: Any) -> float:
+    """Seconds a step spends moving ``group`` when it lives on the host: in over the profile's
+    host-to-device link, and, when the step returns it updated, back out over device-to-host;
+    each array a transfer of its own (the profile's fixed latency each). Host-computed groups
+    (:func:`on_host`) move nothing; this is the cost of :func:`apply_state_plan`."""
+    n = len(group.leaves)
+    t = group.tpu_bytes / profile.h2d_bytes_per_s + n * profile.transfer_latency_s
+    if group.updated:
+        t += group.tpu_bytes / profile.d2h_bytes_per_s + n * profile.transfer_latency_s
+    return t
 
 
 def _arg_names(step: Callable[..., Any], n: int) -> list[str]:

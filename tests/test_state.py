@@ -217,3 +217,16 @@ def test_tpu_peak_drops_by_the_host_bytes() -> None:
     before = compile_placed({}, step, args)["peak_memory_in_bytes"]
     after = compile_placed(OPT_HOST, step, args)["peak_memory_in_bytes"]
     assert before - after == pytest.approx(tpu_bytes, rel=0.10)
+
+
+def test_transfer_time_hand_computed() -> None:
+    from hloopt.devices import load_profile
+    from hloopt.state import transfer_s
+
+    v5e = load_profile("tpu-v5e")  # 1.5e10 B/s each way, 10 us per transfer
+    step, args = mlp.make("tiny")
+    groups = {g.name: g for g in state_groups(step, args)}
+    mu = groups["opt_state[0].mu"]  # 6 arrays, in and out
+    assert transfer_s(mu, v5e) == pytest.approx(2 * (mu.tpu_bytes / 1.5e10 + 6 * 1e-5))
+    x = groups["batch['x']"]  # in only
+    assert transfer_s(x, v5e) == pytest.approx(4096 / 1.5e10 + 1e-5)
