@@ -202,7 +202,7 @@ def load_placement(placement: Mapping[str, str] | str | os.PathLike[str]) -> dic
 
 
 def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step: Callable[..., Any],
-                     args: tuple[Any, ...]) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+                     args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
     """``(step2, args2)``: ``step`` jitted with the placement's memory kinds, and ``args`` on them.
 
     ``placement`` maps :func:`state_groups` names to ``"device"``/``"host"`` (unnamed groups stay
@@ -218,7 +218,7 @@ def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step
     groups = state_groups(step, args)
     _check_placement(placement, groups)
     host_leaves = {(g.argnum, leaf) for g in groups if placement.get(g.name) == "host" for leaf in g.leaves}
-    default = SingleDeviceSharding(jax.devices()[0])
+    default: Any = SingleDeviceSharding(jax.devices()[0])
     named = [leaf.sharding for leaf in jax.tree.leaves(args) if isinstance(getattr(leaf, "sharding", None), NamedSharding)]
     if named:
         default = NamedSharding(named[0].mesh, PartitionSpec())

@@ -17,15 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import hloopt.lowering  # noqa: E402,F401  (sets JAX_PLATFORMS=cpu before jax starts)
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from fixtures.state import wide_adamw  # noqa: E402
-from fixtures.zoo import mlp  # noqa: E402
-from hloopt.errors import UserError  # noqa: E402
-from hloopt.lowering import has_libtpu  # noqa: E402
-from hloopt.state import apply_state_plan, compile_placed, state_groups, tpu_array_bytes  # noqa: E402
+import hloopt.lowering  # noqa: F401  (sets JAX_PLATFORMS=cpu before jax starts)
+from fixtures.state import wide_adamw
+from fixtures.zoo import mlp
+from hloopt.errors import UserError
+from hloopt.lowering import has_libtpu
+from hloopt.state import apply_state_plan, compile_placed, state_groups, tpu_array_bytes
 
 OPT_HOST = {"opt_state[0].mu": "host", "opt_state[0].nu": "host"}
 

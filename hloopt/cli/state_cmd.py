@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 
@@ -38,7 +39,7 @@ def state(target: str, size: str | None, device: str | None, as_json: bool) -> N
             profile = load_profile(device)
     from hloopt.state import transfer_s
 
-    rows = [{"name": g.name, "argument": g.argnum, "leaves": len(g.leaves), "bytes": g.nbytes,
+    rows: list[dict[str, Any]] = [{"name": g.name, "argument": g.argnum, "leaves": len(g.leaves), "bytes": g.nbytes,
              "tpu_bytes": g.tpu_bytes, "updated": g.updated,
              "host_transfer_s": transfer_s(g, profile) if profile is not None else None} for g in groups]
     if as_json:
