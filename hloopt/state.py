@@ -202,12 +202,14 @@ def load_placement(placement: Mapping[str, str] | str | os.PathLike[str]) -> dic
 
 
 def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step: Callable[..., Any],
-                     args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+                     args: tuple[Any, ...], *, donate_argnums: int | tuple[int, ...] = ()
+                     ) -> tuple[Any, tuple[Any, ...]]:
     """``(step2, args2)``: ``step`` jitted with the placement's memory kinds, and ``args`` on them.
 
     ``placement`` maps :func:`state_groups` names to ``"device"``/``"host"`` (unnamed groups stay
     on device), or is a placement file (:func:`load_placement`). Abstract leaves come back as ``ShapeDtypeStruct`` with the sharding, concrete
     arrays are moved there. Leaves without a sharding get one on ``jax.devices()[0]``.
+    ``donate_argnums`` goes to ``jax.jit`` (a donated host argument's buffer can hold its update).
     """
     import jax
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
@@ -263,7 +265,8 @@ def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step
             for i, arg in enumerate(xs))
         return step(*xs)
 
-    return jax.jit(placed, in_shardings=in_shardings, out_shardings=out_shardings), args2
+    return jax.jit(placed, in_shardings=in_shardings, out_shardings=out_shardings,
+                   donate_argnums=donate_argnums), args2
 
 
 def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -289,7 +292,7 @@ def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compile_placed(placement: Mapping[str, str], step: Callable[..., Any], args: tuple[Any, ...], *,
-                   compile: str = "tpu-v5e") -> dict[str, int]:
+                   compile: str = "tpu-v5e", donate_argnums: int | tuple[int, ...] = ()) -> dict[str, int]:
     """``memory_analysis()`` figures of ``step`` compiled with ``placement`` for ``compile``
     (deviceless on a TPU topology, or ``"cpu"``); an empty placement compiles the step as written
     with the same arguments, for comparison."""
@@ -302,7 +305,7 @@ def compile_placed(placement: Mapping[str, str], step: Callable[..., Any], args:
     else:
         _, devices = _tpu_devices(compile, 1)
     placed_args = _place(tuple(args), devices, compile)
-    step2, args2 = apply_state_plan(placement, step, placed_args)
+    step2, args2 = apply_state_plan(placement, step, placed_args, donate_argnums=donate_argnums)
     try:
         compiled = step2.trace(*args2).lower().compile()
     except jax.errors.JaxRuntimeError as err:
