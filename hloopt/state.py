@@ -208,11 +208,11 @@ def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step
 
     ``placement`` maps :func:`state_groups` names to ``"device"``/``"host"`` (unnamed groups stay
     on device), or is a placement file (:func:`load_placement`). Abstract leaves come back as ``ShapeDtypeStruct`` with the sharding, concrete
-    arrays are moved there. Leaves without a sharding get one on ``jax.devices()[0]``.
+    arrays are moved there. Leaves without a sharding get one on the arguments' device.
     ``donate_argnums`` goes to ``jax.jit`` (a donated host argument's buffer can hold its update).
     """
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+    from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
     from jax.tree_util import keystr
 
     args = tuple(args)
@@ -220,8 +220,11 @@ def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step
     groups = state_groups(step, args)
     _check_placement(placement, groups)
     host_leaves = {(g.argnum, leaf) for g in groups if placement.get(g.name) == "host" for leaf in g.leaves}
-    default: Any = SingleDeviceSharding(jax.devices()[0])
-    named = [leaf.sharding for leaf in jax.tree.leaves(args) if isinstance(getattr(leaf, "sharding", None), NamedSharding)]
+    # outputs that are no argument's update (the loss) go where the arguments are: replicated
+    # over their mesh, or on their device
+    given = [leaf.sharding for leaf in jax.tree.leaves(args) if isinstance(getattr(leaf, "sharding", None), Sharding)]
+    named = [s for s in given if isinstance(s, NamedSharding)]
+    default: Any = SingleDeviceSharding(min(given[0].device_set, key=lambda d: d.id) if given else jax.devices()[0])
     if named:
         default = NamedSharding(named[0].mesh, PartitionSpec())
 
