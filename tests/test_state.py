@@ -207,10 +207,11 @@ def test_tpu_host_update_keeps_optimizer_state_on_host() -> None:
 @pytest.mark.tpu
 @needs_libtpu
 @pytest.mark.xfail(strict=True, reason=(
-    "libtpu 0.0.42 does not lower the peak: placed on the host, mlp small's mu+nu (469 MB) come "
-    "to the device all at once (temporaries 5.8 MB -> 688 MB) and peak_memory_in_bytes rises "
-    "1514413056 -> 2011593216; the wide AdamW step with its update on the host rises "
-    "520098816 -> 604547584 (the host call's outputs land in device memory and are relaid out)"))
+    "libtpu 0.0.42 does not lower the peak: host groups come to the device all at once. mlp small "
+    "with its whole opt_state on the host: temporaries 5.8 MB -> 688 MB, peak_memory_in_bytes "
+    "1514413056 -> 2011593216; wide AdamW (fixtures/state/wide_adamw.py) mu+nu on the host: "
+    "520098816 -> 554177536 (donated: 338694656 -> 352850432); its update on the host (on_host): "
+    "-> 738761216 (the host call's outputs land in device memory and are relaid out)"))
 def test_tpu_peak_drops_by_the_host_bytes() -> None:
     step, args = mlp.make("small")
     _, tpu_bytes = _host_bytes(step, args, OPT_HOST)
