@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["apply_plan", "apply_policy", "auto_offload", "liveness_graph", "lower", "override_policies", "policy",
-           "use_plan", "use_policy"]
+__all__ = ["apply_plan", "apply_policy", "apply_state_plan", "auto_offload", "liveness_graph", "lower",
+           "override_policies", "policy", "use_plan", "use_policy"]
 
 #: public name -> (module, attribute); imported on first use, so that ``import hloopt`` and the
 #: CLI's HLO-file commands never pay for jax
@@ -19,6 +19,7 @@ _LAZY = {
     "apply_policy": ("hloopt.apply", "apply_policy"),
     "override_policies": ("hloopt.policy_override", "override_policies"),
     "liveness_graph": ("hloopt.graph", "liveness_graph"),
+    "apply_state_plan": ("hloopt.state", "apply_state_plan"),
 }
 
 

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "plan": "plan_cmd:plan",
     "residuals": "residuals_cmd:residuals",
     "graph": "graph_cmd:graph",
+    "state": "state_cmd:state",
 }
 
 
