@@ -207,8 +207,9 @@ def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step
     """``(step2, args2)``: ``step`` jitted with the placement's memory kinds, and ``args`` on them.
 
     ``placement`` maps :func:`state_groups` names to ``"device"``/``"host"`` (unnamed groups stay
-    on device), or is a placement file (:func:`load_placement`). Abstract leaves come back as ``ShapeDtypeStruct`` with the sharding, concrete
-    arrays are moved there. Leaves without a sharding get one on the arguments' device.
+    on device), or is a placement file (:func:`load_placement`). Abstract leaves come back as
+    ``ShapeDtypeStruct`` with the sharding, concrete arrays are moved there. Leaves without a
+    sharding get one on the arguments' device.
     ``donate_argnums`` goes to ``jax.jit`` (a donated host argument's buffer can hold its update).
     """
     import jax
@@ -233,7 +234,8 @@ def apply_state_plan(placement: Mapping[str, str] | str | os.PathLike[str], step
 
     in_shardings = tuple(
         jax.tree_util.tree_map_with_path(
-            lambda path, x, i=i: _base_sharding(x, default).with_memory_kind(kind_of(i, path)) if _is_array(x) else None,
+            lambda path, x, i=i: (_base_sharding(x, default).with_memory_kind(kind_of(i, path))
+                                  if _is_array(x) else None),
             arg)
         for i, arg in enumerate(args))
 

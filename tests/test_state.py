@@ -8,19 +8,15 @@ bytes libtpu reports equal the placed groups' bytes in TPU layout.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-import pytest
+import hloopt.lowering  # noqa: F401  (sets JAX_PLATFORMS=cpu before jax starts)
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
+# isort: split
 import jax
 import numpy as np
+import pytest
 
-import hloopt.lowering  # noqa: F401  (sets JAX_PLATFORMS=cpu before jax starts)
 from fixtures.state import wide_adamw
 from fixtures.zoo import mlp
 from hloopt.errors import UserError

@@ -14,7 +14,8 @@ from hloopt.units import format_bytes
 @click.command("state")
 @click.argument("target")
 @click.option("--size", default=None, help="Size passed to a JAX TARGET's factory (tiny, small, large).")
-@click.option("--device", default=None, help="Device profile (name or file) for the transfer time of each group on the host.")
+@click.option("--device", default=None,
+              help="Device profile (name or file) for the transfer time of each group on the host.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of groups instead of a table.")
 def state(target: str, size: str | None, device: str | None, as_json: bool) -> None:
     """Groups of TARGET's inputs (params, optimizer mu/nu, batch) with their bytes.
