@@ -860,8 +860,8 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     plan_obj = build(problem, decisions, result)
     searched = problem
     settle_note = None
-    if (budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
-            and compile is None and an.memory is not None):
+    if (not pareto and tgt.kind == "jax" and profile.kind == "tpu" and compile is None
+            and an.memory is not None):
         with progress("checking the plan against the memory model (re-lowering with its policy)"):
             plan_obj, decisions, result, problem, settle_note = _settle_on_the_model(
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, platform=platform,
@@ -877,7 +877,7 @@ SETTLE_ROUNDS = 3
 
 
 def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,
-                         budget_bytes: int, build: Callable[[Problem, Decisions, SimResult], Any], *,
+                         budget_bytes: int | None, build: Callable[[Problem, Decisions, SimResult], Any], *,
                          platform: str | None, solver: str,
                          time_limit_s: float) -> tuple[Any, Decisions, SimResult, Problem, str | None]:
     """The plan's predicted peak from the memory model ``hloopt analyze`` runs, on the step lowered
@@ -891,8 +891,8 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     offloads outside loops are taken out of the choices (libtpu copies them back at once, so they
     free nothing there), then the budget the search aims at is lowered by the overshoot, at most
     :data:`SETTLE_ROUNDS` searches in all. The plan's predicted peak is the model's figure for the
-    step it hands out; the last value is a note when no plan the model puts within the budget
-    was found."""
+    step it hands out (without a budget: that figure, no search again); the last value is a note
+    when no plan the model puts within the budget was found."""
     from hloopt.analysis import analyze
     from hloopt.emit import policy
     from hloopt.hlo.parser import parse_module
@@ -900,7 +900,7 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     from hloopt.search import search
     from hloopt.simulator import lower_bound_peak, simulate
 
-    target = budget_bytes
+    target = budget_bytes or 0
     best = None
     eager = [c for c in problem.candidates if f"eager:{c.key}" in problem.notes and Action.OFFLOAD in c.allowed]
     for round_ in range(SETTLE_ROUNDS + 1):
@@ -909,17 +909,19 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         # the first plan that fits (the fastest: searched under the loosest budget), else the lowest
         if best is None or modeled < best[0]:
             best = (modeled, plan_obj, decisions, result, problem)
-        if modeled <= budget_bytes or round_ == SETTLE_ROUNDS:
+        if budget_bytes is None or modeled <= budget_bytes or round_ == SETTLE_ROUNDS:
             break
+        assert budget_bytes is not None
         if eager and any(decisions.action(c.key) == Action.OFFLOAD for c in eager):
             problem = dataclasses.replace(problem, candidates=tuple(
                 dataclasses.replace(c, allowed=c.allowed - {Action.OFFLOAD}) if c in eager else c
                 for c in problem.candidates))
             eager = []
         else:
-            target -= modeled - budget_bytes
-        if target < lower_bound_peak(problem):
-            break
+            floor = lower_bound_peak(problem)
+            if target <= floor:
+                break  # the least peak the replay reaches was tried
+            target = max(floor, target - (modeled - budget_bytes))
         try:
             decisions = search(problem, budget_bytes=target, solver=solver, time_limit_s=time_limit_s).plan.decisions
         except InfeasibleBudget:
@@ -930,7 +932,7 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     modeled, plan_obj, decisions, result, problem = best
     plan_obj = dataclasses.replace(plan_obj, predicted=dataclasses.replace(plan_obj.predicted, peak_bytes=modeled))
     note = None
-    if modeled > budget_bytes:
+    if budget_bytes is not None and modeled > budget_bytes:
         from hloopt.units import format_bytes
 
         note = (f"the memory model puts the planned step at {format_bytes(modeled)}, over the budget "
