@@ -174,10 +174,10 @@ def test_residuals_of_unnamed_steps_have_no_names(step: str) -> None:
     assert rows and all(r["name"] is None for r in rows)
 
 
-@pytest.mark.xfail(strict=True, reason="haliax's scan names (scan(layer)__carry/__input) name the "
-                   "checkpoint's inputs: the probe offloads the carry and each layer's parameter slices, "
-                   "which naming does not match to the baseline's stacked carry (residuals stay unnamed)")
-@pytest.mark.parametrize("step", [s for s, e in EXPECTED.items() if e[2]])
+@pytest.mark.parametrize("step", [
+    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason="levanter GPT-2's nested 2 x 2 layer scans: "
+                                            "the residuals stay unnamed (not diagnosed yet)"))
+    if s == "levanter_gpt2" else s for s, e in EXPECTED.items() if e[2]])
 def test_residuals_find_the_checkpoint_names(step: str) -> None:
     load(step)
     code, rows, text = cli_json("residuals", f"fixtures/thirdparty/{step}.py:make", "--size", "tiny")
