@@ -904,10 +904,10 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
 def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None) -> Any:
     """``{instruction name: checkpoint_name}`` for the residuals of ``module`` (see hloopt.naming),
     as a :class:`hloopt.naming.ResidualNames` that also knows the checkpoints' input names."""
+    import jax
+
     from hloopt.naming import ResidualNames, input_names, name_residuals
     from hloopt.passes.residuals import LIBRARY_PATHS, find_residuals
-
-    import jax
 
     plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
     # the module is lower_for_plan's: every residual saved
