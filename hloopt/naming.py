@@ -2,20 +2,28 @@
 
 ``checkpoint_name`` leaves no trace in HLO, so names are recovered by lowering the step again:
 
-1. **Name sites.** ``jax.make_jaxpr`` of the step; every ``name`` equation (in any sub-jaxpr: scan
-   bodies, remat, pjit) gives a checkpoint_name and the user source line of its call.
+1. **Name sites.** ``jax.make_jaxpr`` of the step, with frames located as lowering locates ops
+   (:func:`hloopt.lowering.framework_frames_skipped`); every ``name`` equation (in any sub-jaxpr:
+   scan bodies, remat, pjit) gives a checkpoint_name and the user source line of its call. A name
+   called inside a framework (haliax's ``tree_checkpoint_name`` on a scanned layer's carry and
+   inputs) is at the model line that called the framework: a checkpoint's body is traced with
+   only its own frames, so a name there with no user frame takes its enclosing equation's.
 2. **Probe.** Lower the step once with a policy that offloads *every* name
    (``save_and_offload_only_these_names(names_which_can_be_offloaded=all names)``). Each
    offloaded residual of the probe (:func:`hloopt.passes.residuals.find_residuals`: a pinned_host
    annotation, directly or written into a scan stack) is one named value; its name is the name
    whose call site is the annotation's (unrolled: JAX puts it at the ``name`` equation) or the
-   producing op's user source line (``checkpoint_name(h @ w, "q")`` on one line). Values neither
-   names (a scan carry such as a layer input has no line; annotations inside a scan carry the
-   scan's line) are named by one more lowering per left-over name, offloading that name alone.
-   Two names on one line are :attr:`NameProbe.ambiguous` and stay unnamed.
-3. **Match.** A residual of the baseline module (lowered with the target's own policy) gets name
-   N when it has N's dtype, per-layer dims and layer count, and the probe no longer keeps an
-   equal device residual (so selecting N is what moves it). Everything else keeps its
+   producing op's user source line (``checkpoint_name(h @ w, "q")`` on one line).
+3. **One-name probes.** Values no line names (a scan carry has no location; annotations inside a
+   scan carry the scan's line; haliax calls both its names on one line, :attr:`NameProbe.ambiguous`)
+   are named by one more lowering per left-over name, offloading that name alone and keeping the
+   baseline's policy for everything else. The baseline residuals that disappear from device in
+   that lowering, matched to what it offloads (same producer and line, else same dtype,
+   per-layer dims and layers), are what the name selects (:func:`_moved_by`). A name that moves
+   nothing there keeps its offloaded values for step 4.
+4. **Match.** A remaining residual of the baseline module gets name N when it has N's dtype,
+   per-layer dims and layer count, and the all-names probe no longer keeps an equal device
+   residual (so selecting N is what moves it). Everything else keeps its
    ``prim:<primitive>@file:line`` key.
 
 All of this imports jax lazily; :mod:`hloopt.passes.residuals` itself needs no jax.
@@ -111,39 +119,39 @@ def checkpoint_names(target: Any) -> list[NameSite]:
     from hloopt.lowering import _code_of, framework_frames_skipped
 
     _check_jax_target(target)
+    sites: dict[tuple[str, str, int], bool | None] = {}
+
+    def walk(jaxpr: Any, inputs: set[Any] | None, outer: Any = None) -> None:
+        # inputs: the enclosing checkpoint body's inputs (and their identities); None outside one.
+        # outer: the user frame of the enclosing equation: a body traced later (a checkpoint's)
+        # keeps only its own frames, which may all be a framework's
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            here = source_info_util.user_frame(eqn.source_info.traceback) or outer
+            passes_input = inputs is not None and bool(eqn.invars) and _is_var_in(eqn.invars[0], inputs)
+            if name == "name":
+                frame = here
+                key = (eqn.params["name"], frame.file_name if frame else "", frame.start_line if frame else 0)
+                vote = sites.get(key)
+                # Only the copies inside a checkpoint decide (differentiation also leaves the
+                # primal computation outside it).
+                sites[key] = vote if inputs is None else (passes_input if vote is None else vote and passes_input)
+            if passes_input and name in _IDENTITY_PRIMITIVES:
+                assert inputs is not None
+                inputs.update(eqn.outvars)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    inner: Any = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        # A checkpoint's body starts from its own inputs; inside any other body
+                        # nothing is known to be a checkpoint's input.
+                        walk(inner, set(inner.invars) if name in _CHECKPOINT_PRIMITIVES
+                             else (None if inputs is None else set()), here)
+
     # Located as lowering locates ops: a name called inside a framework (haliax names a scanned
     # layer's carry in haliax/nn/scan.py) is at the model's line that called the framework.
     with framework_frames_skipped(imported_by(_code_of(target))):
         closed = jax.make_jaxpr(target.step_fn)(*target.args, **dict(target.kwargs))
-        sites: dict[tuple[str, str, int], bool | None] = {}
-
-        def walk(jaxpr: Any, inputs: set[Any] | None, outer: Any = None) -> None:
-            # inputs: the enclosing checkpoint body's inputs (and their identities); None outside one.
-            # outer: the user frame of the enclosing equation: a body traced later (a checkpoint's)
-            # keeps only its own frames, which may all be a framework's
-            for eqn in jaxpr.eqns:
-                name = eqn.primitive.name
-                here = source_info_util.user_frame(eqn.source_info.traceback) or outer
-                passes_input = inputs is not None and bool(eqn.invars) and _is_var_in(eqn.invars[0], inputs)
-                if name == "name":
-                    frame = here
-                    key = (eqn.params["name"], frame.file_name if frame else "", frame.start_line if frame else 0)
-                    vote = sites.get(key)
-                    # Only the copies inside a checkpoint decide (differentiation also leaves the
-                    # primal computation outside it).
-                    sites[key] = vote if inputs is None else (passes_input if vote is None else vote and passes_input)
-                if passes_input and name in _IDENTITY_PRIMITIVES:
-                    assert inputs is not None
-                    inputs.update(eqn.outvars)
-                for value in eqn.params.values():
-                    for sub in value if isinstance(value, (list, tuple)) else (value,):
-                        inner: Any = getattr(sub, "jaxpr", sub)
-                        if hasattr(inner, "eqns"):
-                            # A checkpoint's body starts from its own inputs; inside any other body
-                            # nothing is known to be a checkpoint's input.
-                            walk(inner, set(inner.invars) if name in _CHECKPOINT_PRIMITIVES
-                                 else (None if inputs is None else set()), here)
-
         walk(closed.jaxpr, None)
     return [NameSite(n, f, line, bool(of_input)) for (n, f, line), of_input in sites.items()]
 
