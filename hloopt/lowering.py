@@ -359,7 +359,8 @@ _NOT_MODELS = frozenset({"jax", "jaxlib", "numpy", "ml_dtypes", "hloopt", "built
 
 
 def _clear_frame_caches(siu: Any) -> None:
-    for name in ("_exclude_path_regex", "_include_path_regex", "is_user_filename"):
+    # user_frame caches its answer per traceback too
+    for name in ("_exclude_path_regex", "_include_path_regex", "is_user_filename", "user_frame"):
         fn = getattr(siu, name, None)
         if fn is not None and hasattr(fn, "cache_clear"):
             fn.cache_clear()

@@ -2,20 +2,28 @@
 
 ``checkpoint_name`` leaves no trace in HLO, so names are recovered by lowering the step again:
 
-1. **Name sites.** ``jax.make_jaxpr`` of the step; every ``name`` equation (in any sub-jaxpr: scan
-   bodies, remat, pjit) gives a checkpoint_name and the user source line of its call.
+1. **Name sites.** ``jax.make_jaxpr`` of the step, with frames located as lowering locates ops
+   (:func:`hloopt.lowering.framework_frames_skipped`); every ``name`` equation (in any sub-jaxpr:
+   scan bodies, remat, pjit) gives a checkpoint_name and the user source line of its call. A name
+   called inside a framework (haliax's ``tree_checkpoint_name`` on a scanned layer's carry and
+   inputs) is at the model line that called the framework: a checkpoint's body is traced with
+   only its own frames, so a name there with no user frame takes its enclosing equation's.
 2. **Probe.** Lower the step once with a policy that offloads *every* name
    (``save_and_offload_only_these_names(names_which_can_be_offloaded=all names)``). Each
    offloaded residual of the probe (:func:`hloopt.passes.residuals.find_residuals`: a pinned_host
    annotation, directly or written into a scan stack) is one named value; its name is the name
    whose call site is the annotation's (unrolled: JAX puts it at the ``name`` equation) or the
-   producing op's user source line (``checkpoint_name(h @ w, "q")`` on one line). Values neither
-   names (a scan carry such as a layer input has no line; annotations inside a scan carry the
-   scan's line) are named by one more lowering per left-over name, offloading that name alone.
-   Two names on one line are :attr:`NameProbe.ambiguous` and stay unnamed.
-3. **Match.** A residual of the baseline module (lowered with the target's own policy) gets name
-   N when it has N's dtype, per-layer dims and layer count, and the probe no longer keeps an
-   equal device residual (so selecting N is what moves it). Everything else keeps its
+   producing op's user source line (``checkpoint_name(h @ w, "q")`` on one line).
+3. **One-name probes.** Values no line names (a scan carry has no location; annotations inside a
+   scan carry the scan's line; haliax calls both its names on one line, :attr:`NameProbe.ambiguous`)
+   are named by one more lowering per left-over name, offloading that name alone and keeping the
+   baseline's policy for everything else. The baseline residuals that disappear from device in
+   that lowering, matched to what it offloads (same producer and line, else same dtype,
+   per-layer dims and layers), are what the name selects (:func:`_moved_by`). A name that moves
+   nothing there keeps its offloaded values for step 4.
+4. **Match.** A remaining residual of the baseline module gets name N when it has N's dtype,
+   per-layer dims and layer count, and the all-names probe no longer keeps an equal device
+   residual (so selecting N is what moves it). Everything else keeps its
    ``prim:<primitive>@file:line`` key.
 
 All of this imports jax lazily; :mod:`hloopt.passes.residuals` itself needs no jax.
@@ -107,17 +115,22 @@ def checkpoint_names(target: Any) -> list[NameSite]:
     import jax
     from jax._src import source_info_util
 
+    from hloopt.frameworks import imported_by
+    from hloopt.lowering import _code_of, framework_frames_skipped
+
     _check_jax_target(target)
-    closed = jax.make_jaxpr(target.step_fn)(*target.args, **dict(target.kwargs))
     sites: dict[tuple[str, str, int], bool | None] = {}
 
-    def walk(jaxpr: Any, inputs: set[Any] | None) -> None:
-        # inputs: the enclosing checkpoint body's inputs (and their identities); None outside one
+    def walk(jaxpr: Any, inputs: set[Any] | None, outer: Any = None) -> None:
+        # inputs: the enclosing checkpoint body's inputs (and their identities); None outside one.
+        # outer: the user frame of the enclosing equation: a body traced later (a checkpoint's)
+        # keeps only its own frames, which may all be a framework's
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
+            here = source_info_util.user_frame(eqn.source_info.traceback) or outer
             passes_input = inputs is not None and bool(eqn.invars) and _is_var_in(eqn.invars[0], inputs)
             if name == "name":
-                frame = source_info_util.user_frame(eqn.source_info.traceback)
+                frame = here
                 key = (eqn.params["name"], frame.file_name if frame else "", frame.start_line if frame else 0)
                 vote = sites.get(key)
                 # Only the copies inside a checkpoint decide (differentiation also leaves the
@@ -133,9 +146,13 @@ def checkpoint_names(target: Any) -> list[NameSite]:
                         # A checkpoint's body starts from its own inputs; inside any other body
                         # nothing is known to be a checkpoint's input.
                         walk(inner, set(inner.invars) if name in _CHECKPOINT_PRIMITIVES
-                             else (None if inputs is None else set()))
+                             else (None if inputs is None else set()), here)
 
-    walk(closed.jaxpr, None)
+    # Located as lowering locates ops: a name called inside a framework (haliax names a scanned
+    # layer's carry in haliax/nn/scan.py) is at the model's line that called the framework.
+    with framework_frames_skipped(imported_by(_code_of(target))):
+        closed = jax.make_jaxpr(target.step_fn)(*target.args, **dict(target.kwargs))
+        walk(closed.jaxpr, None)
     return [NameSite(n, f, line, bool(of_input)) for (n, f, line), of_input in sites.items()]
 
 
@@ -169,9 +186,26 @@ def lower_module(target: Any, *, policy: Any = None, platform: str = "tpu") -> A
     return parse_module(lowered.hlo_text, filename=f"{target.name} (lowered)")
 
 
+def offload_policy(names: Sequence[str], *, base: Any = None) -> Any:
+    """A policy that offloads ``names`` to pinned host and decides everything else as ``base``
+    does (``None``: saves nothing else, :func:`offload_all_policy`)."""
+    offload = offload_all_policy(names)
+    if base is None:
+        return offload
+    chosen = frozenset(names)
+
+    def policy(prim: Any, *args: Any, **params: Any) -> Any:
+        if getattr(prim, "name", None) == "name" and params.get("name") in chosen:
+            return offload(prim, *args, **params)
+        return base(prim, *args, **params)
+
+    return policy
+
+
 def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: Any = None,
                    platform: str = "tpu") -> NameProbe:
-    """Residuals of ``target`` (lowered with ``policy``, or ``baseline`` when given) with names."""
+    """Residuals of ``target`` with names. ``baseline`` is the target lowered with ``policy``
+    (``None``: its own policies); it is lowered here when not given."""
     _check_jax_target(target)
     if baseline is None:
         baseline = find_residuals(lower_module(target, policy=policy, platform=platform))
@@ -186,33 +220,45 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
     ambiguous = sorted({n for ns in by_line.values() if len(ns) > 1 for n in ns})
 
     probe_named: list[tuple[Residual, str]] = []
+    single_values: list[tuple[Residual, str]] = []
     unnamed: list[Residual] = []
     for r in probe_set:
         if r.offloaded:
             name = _name_of(probe_set, r, by_line)
             (unnamed.append(r) if name is None else probe_named.append((r, name)))
     # Values the call site cannot name (a scan carry has no location; annotations inside a scan
-    # carry the scan's line): one more lowering per name left over, offloading that name alone.
-    if unnamed:
-        left = [n for n in names if n not in {name for _, name in probe_named} and n not in ambiguous]
-        for n in left:
-            single = find_residuals(lower_module(target, policy=offload_all_policy([n]), platform=platform))
-            for r in single:
-                if r.offloaded:
-                    probe_named.append((r, n))
-    values = [NamedValue(name=name, dtype=r.dtype, per_layer_dims=r.per_layer_dims, layers=r.layers,
-                         bytes=r.bytes, source=r.source_text) for r, name in probe_named]
-
-    # Baseline residuals the probe still keeps on device are not moved by any name.
-    kept = Counter(_sig(r) for r in probe_set if not r.offloaded)
+    # carry the scan's line; two names called on one line): one more lowering per name left
+    # over, offloading that name alone. What it offloads are the name's values; the baseline
+    # residuals it moves (:func:`_moved_by`) are what the name selects. With the baseline lowered
+    # under a known ``policy`` that comparison needs the probe to keep ``policy`` for everything
+    # else: one lowering more.
     names_for: dict[str, str] = {}
+    if unnamed:
+        for n in [n for n in names if n not in {name for _, name in probe_named}]:
+            single = find_residuals(lower_module(target, policy=offload_all_policy([n]), platform=platform))
+            diff = single if policy is None else find_residuals(
+                lower_module(target, policy=offload_policy([n], base=policy), platform=platform))
+            moved = _moved_by(baseline, diff)
+            for inst_name in moved:
+                names_for.setdefault(inst_name, n)
+            # a name whose moves the comparison found is settled; another's values (it moves
+            # nothing with the baseline's policy, or moves what the comparison cannot match) are
+            # matched by shape below, as the line-attributed ones are
+            values_of_n = [(r, n) for r in single if r.offloaded]
+            (single_values if moved else probe_named).extend(values_of_n)
+    values = [NamedValue(name=name, dtype=r.dtype, per_layer_dims=r.per_layer_dims, layers=r.layers,
+                         bytes=r.bytes, source=r.source_text) for r, name in probe_named + single_values]
+
+    # The other residuals: those the all-names probe still keeps on device are not moved by any
+    # name; the others take the probe value of the same producer and line, else the same shape.
+    kept = Counter(_sig(r) for r in probe_set if not r.offloaded)
     taken: set[int] = set()
     pending: list[Residual] = []
     for r in baseline:
         sig = _sig(r)
         if kept[sig] > 0:
             kept[sig] -= 1
-        else:
+        elif r.inst.name not in names_for:
             pending.append(r)
     for same in (_sig, _shape_sig):  # the same producing op and line first, then the same shape
         for r in pending:
@@ -225,6 +271,37 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
                     break
     return NameProbe(residuals=baseline.with_names(names_for), sites=tuple(sites), values=tuple(values),
                      ambiguous=tuple(ambiguous))
+
+
+def _moved_by(baseline: ResidualSet, single: ResidualSet) -> list[str]:
+    """Baseline residuals (instruction names) that a one-name probe ``single`` moves: the probe
+    keeps fewer device residuals of their producer, line and shape than the baseline does, and
+    offloads a value of that producer and line, else of that shape (only where there are at
+    least as many such values as such vanished residuals: no guessing among look-alikes). A
+    scan carry is a stacked ``get-tuple-element`` in both; with everything saved it is the
+    ``checkpoint_name`` marker (``reduce-precision``) in the baseline and the offloaded stack's
+    ``get-tuple-element`` in the probe, the same dtype, per-layer dims and layers."""
+    gone = (Counter(_sig(r) for r in baseline if not r.offloaded)
+            - Counter(_sig(r) for r in single if not r.offloaded))
+    vanished: list[Residual] = []
+    for r in baseline:
+        if not r.offloaded and gone[_sig(r)] > 0:
+            gone[_sig(r)] -= 1
+            vanished.append(r)
+    moved = [r for r in single if r.offloaded]
+    out: list[str] = []
+    for same in (_sig, _shape_sig):
+        left: dict[Any, list[Residual]] = {}
+        for r in vanished:
+            if r.inst.name not in out:
+                left.setdefault(same(r), []).append(r)
+        for key, rs in left.items():
+            values = [m for m in moved if same(m) == key]
+            if len(rs) <= len(values):
+                out += [r.inst.name for r in rs]
+                used = {id(m) for m in values[: len(rs)]}
+                moved = [m for m in moved if id(m) not in used]
+    return out
 
 
 @dataclass(frozen=True)

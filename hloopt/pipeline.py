@@ -1059,11 +1059,15 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
 def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None) -> Any:
     """``{instruction name: checkpoint_name}`` for the residuals of ``module`` (see hloopt.naming),
     as a :class:`hloopt.naming.ResidualNames` that also knows the checkpoints' input names."""
+    import jax
+
     from hloopt.naming import ResidualNames, input_names, name_residuals
     from hloopt.passes.residuals import LIBRARY_PATHS, find_residuals
 
     plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
-    probe = name_residuals(tgt, baseline=find_residuals(module), platform=plat)
+    # the module is lower_for_plan's: every residual saved
+    probe = name_residuals(tgt, baseline=find_residuals(module), platform=plat,
+                           policy=jax.checkpoint_policies.everything_saveable)
     probed = {r.inst.name: r.name for r in probe.residuals if r.name}
     # The probe matches residuals of two different lowerings, falling back to shapes, which is
     # ambiguous when several names share a shape (q/context/out projections). JAX lowers
@@ -1074,14 +1078,20 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     for site in probe.sites:
         by_line.setdefault((relative_source(site.file), site.line), set()).add(site.name)
     names: dict[str, str] = {}
+    #: markers the line cannot name: without a user line, or on a line where several names are
+    #: called (haliax names a scanned layer's carry and inputs at the line that calls the stack)
+    undecided: set[str] = set()
     for r in probe.residuals:
         marker = _name_marker(r.producer)
         if marker is None:
             continue
         loc = module.user_source_of(marker, skip=LIBRARY_PATHS)
         if loc is None:
+            undecided.add(r.inst.name)
             continue
         found = by_line.get((relative_source(loc[0]), loc[1]), set())
+        if len(found) > 1:
+            undecided.add(r.inst.name)
         if len(found) != 1:
             continue
         name = next(iter(found))
@@ -1090,9 +1100,10 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
         if any(v.name == name and v.dtype == r.dtype and math.prod(v.per_layer_dims) == math.prod(r.per_layer_dims)
                for v in probe.values):
             names[r.inst.name] = name
-    # Residuals that are no marker's value (a scan's carried layer input) keep the probe's name.
+    # Residuals that are no marker's value (a scan's carried layer input), or a marker the line
+    # cannot tell apart, keep the probe's name.
     taken = set(names.values())
-    unmarked = {r.inst.name for r in probe.residuals if _name_marker(r.producer) is None}
+    unmarked = {r.inst.name for r in probe.residuals if _name_marker(r.producer) is None} | undecided
     for inst_name, name in probed.items():
         if inst_name in unmarked and inst_name not in names and name not in taken:
             names[inst_name] = name

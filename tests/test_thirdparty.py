@@ -174,16 +174,45 @@ def test_residuals_of_unnamed_steps_have_no_names(step: str) -> None:
     assert rows and all(r["name"] is None for r in rows)
 
 
-@pytest.mark.xfail(strict=True, reason="haliax's scan names (scan(layer)__carry/__input) name the "
-                   "checkpoint's inputs: the probe offloads the carry and each layer's parameter slices, "
-                   "which naming does not match to the baseline's stacked carry (residuals stay unnamed)")
-@pytest.mark.parametrize("step", [s for s, e in EXPECTED.items() if e[2]])
+@pytest.mark.parametrize("step", [
+    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason="levanter GPT-2 nests checkpoints (2 checkpointed "
+                                            "blocks of 2 scanned, checkpointed layers): a probe's offload sits in "
+                                            "a called computation find_residuals does not follow, and inlined it "
+                                            "offloads 2 stacks of 2 carries where the baseline saves 1 block "
+                                            "input: no residual that a name alone moves"))
+    if s == "levanter_gpt2" else s for s, e in EXPECTED.items() if e[2]])
 def test_residuals_find_the_checkpoint_names(step: str) -> None:
     load(step)
     code, rows, text = cli_json("residuals", f"fixtures/thirdparty/{step}.py:make", "--size", "tiny")
     assert code == 0, text
     found = {r["name"] for r in rows if r["name"]}
     assert found and found <= set(jaxpr_facts(step)["names"])
+
+
+
+def test_plan_selects_levanter_carry_by_name_and_its_policy_moves_it(tmp_path: Any) -> None:
+    # haliax names each scanned layer's carry; the plan's candidate for the carried residual
+    # stream is selected by that name, and a policy offloading the name moves exactly those values
+    mod = load("levanter_llama")
+    c = mod.CONFIGS["tiny"]
+    target = "fixtures/thirdparty/levanter_llama.py:make"
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(cli, ["plan", target, "--size", "tiny", "--device", "tpu-v5e", "--budget", "95%",
+                                   "--out", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    carry = [d for d in data["decisions"] if d["selector"] == {"kind": "name", "name": "scan(layer)__carry"}]
+    # f32[batch, seq, hidden] per layer
+    assert [(d["layers"], d["bytes"]) for d in carry] == [
+        (c["num_layers"], c["num_layers"] * c["batch"] * c["seq"] * c["hidden_dim"] * 4)]
+    carry[0]["action"] = "offload"  # whatever the budget chose: the name must select those values
+    out.write_text(json.dumps(data))
+    code, v, text = cli_json("verify", target, "--size", "tiny", "--plan", str(out))
+    assert code == 0, text
+    checks = {ch["key"]: ch for ch in v["checks"]}
+    assert checks["name:scan(layer)__carry"]["status"] == "ok"
+    assert checks["name:scan(layer)__carry"]["annotated_layers"] == c["num_layers"]
+    assert all(ch["status"] == "ok" for ch in v["checks"]) and not v["unplanned"]
 
 
 # -- against libtpu ----------------------------------------------------------------------------

@@ -20,19 +20,24 @@ from hloopt.cli.params import user_errors
 @click.option("--compile", "compile_for", default=None, metavar="TPU",
               help="Also compile deviceless through libtpu (tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e) and check "
                    "XLA's peak against the plan's budget.")
+@click.option("--size", default=None, help="Size passed to the target's factory (tiny, small, large): "
+              "the one the plan was made with.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verification as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-def verify(target: str, plan_file: str, compile_for: str | None, as_json: bool, quiet: bool) -> None:
+def verify(target: str, plan_file: str, compile_for: str | None, size: str | None, as_json: bool,
+           quiet: bool) -> None:
     """Re-lower TARGET with PLAN's policy and check XLA offloads exactly the planned residuals."""
     with user_errors():
         from hloopt.plan import Plan
         from hloopt.report.terminal import progress
+        from hloopt.targets import resolve
         from hloopt.verify import verify as run_verify
 
         plan = Plan.load(plan_file)
         label = "re-lowering with the plan's policy" + (f" and compiling for {compile_for}" if compile_for else "")
         with progress(label, quiet=quiet or as_json):
-            result = run_verify(target, plan, compile=compile_for)
+            result = run_verify(resolve(target, size=size) if size is not None else target, plan,
+                                compile=compile_for)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
     else:
