@@ -860,8 +860,8 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     plan_obj = build(problem, decisions, result)
     searched = problem
     settle_note = None
-    if (not pareto and tgt.kind == "jax" and profile.kind == "tpu" and compile is None
-            and an.memory is not None):
+    if (budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
+            and compile is None and an.memory is not None):
         with progress("checking the plan against the memory model (re-lowering with its policy)"):
             plan_obj, decisions, result, problem, settle_note = _settle_on_the_model(
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, platform=platform,
@@ -880,8 +880,8 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
                          budget_bytes: int | None, build: Callable[[Problem, Decisions, SimResult], Any], *,
                          platform: str | None, solver: str,
                          time_limit_s: float) -> tuple[Any, Decisions, SimResult, Problem, str | None]:
-    """The plan's predicted peak from the memory model ``hloopt analyze`` runs, on the step lowered
-    with the plan's policy, and a plan that model puts within the budget.
+    """A plan the memory model ``hloopt analyze`` runs puts within the budget, on the step lowered
+    with the plan's policy.
 
     The Problem replays a decision by taking the residual's counted bytes off its live range; the
     memory model (libtpu's larger of the HBM and VMEM heaps over memory-space assignment,
@@ -890,8 +890,8 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     step. The planned step is lowered and analyzed; while the model puts it over the budget: first
     offloads outside loops are taken out of the choices (libtpu copies them back at once, so they
     free nothing there), then the budget the search aims at is lowered by the overshoot, at most
-    :data:`SETTLE_ROUNDS` searches in all. The plan's predicted peak is the model's figure for the
-    step it hands out (without a budget: that figure, no search again); the last value is a note
+    :data:`SETTLE_ROUNDS` searches in all. The plan keeps the replay's prediction (what its
+    decisions take off the analyzed timeline); the last value is a note, with the model's figure,
     when no plan the model puts within the budget was found."""
     from hloopt.analysis import analyze
     from hloopt.emit import policy
@@ -930,7 +930,6 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         plan_obj = build(problem, decisions, result)
     assert best is not None
     modeled, plan_obj, decisions, result, problem = best
-    plan_obj = dataclasses.replace(plan_obj, predicted=dataclasses.replace(plan_obj.predicted, peak_bytes=modeled))
     note = None
     if budget_bytes is not None and modeled > budget_bytes:
         from hloopt.units import format_bytes

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -92,7 +93,11 @@ def _trace_state() -> Any:
 
 
 def remat3_enabled() -> bool:
-    """Whether ``jax_remat3`` is on (JAX's name-only policy implementation, where it exists)."""
+    """Whether ``jax_remat3`` is on (JAX's name-only policy implementation, where it exists).
+    False in a process that has not imported jax (nothing there can have turned it on), so that
+    hloopt's commands on plan files never import it."""
+    if "jax" not in sys.modules:
+        return False
     import jax
 
     try:

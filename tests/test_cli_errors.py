@@ -242,6 +242,7 @@ PLAN_HLO = ["plan", HLO, "--device", "tpu-v5e", "-q"]
     (["measure", HLO, "--device", "tpu-v5e"], "an HLO file cannot be run"),
     (["measure", "fixtures/zoo/mlp.py:tiny", "--policies", "none", "--device", "tpu-v5e"],
      "nothing to measure: --policies none needs --plan"),
+    (["state", HLO], "state groups need a JAX TARGET (file.py:factory), not hlo"),
     (["nosuchcommand"], "No such command 'nosuchcommand'"),
     (["plan", "--nosuchoption"], "No such option '--nosuchoption'"),
 ], ids=lambda x: " ".join(x) if isinstance(x, list) else "")

@@ -137,20 +137,21 @@ def test_taking_a_residual_off_takes_off_what_the_timeline_holds() -> None:
     assert simulate(problem, off).peak_bytes <= simulate(problem, Decisions.all_device()).peak_bytes
 
 
-def test_a_budget_plans_predicted_peak_is_the_memory_models_figure_of_the_planned_step() -> None:
-    """One accountant for the plan too: the peak a budget plan predicts is what hloopt analyze's
-    TPU prediction says of the step lowered with the plan's policy, and it is within the budget
-    (or the outcome says it is not)."""
+def test_a_budget_plan_is_within_the_budget_by_the_memory_models_figure_of_the_planned_step() -> None:
+    """One accountant for the plan too: hloopt analyze's TPU prediction of the step lowered with a
+    budget plan's policy is within the budget, or the outcome says it is not."""
     from hloopt.analysis import analyze
     from hloopt.emit import policy
     from hloopt.hlo.parser import parse_module
     from hloopt.lowering import lower
     from hloopt.targets import resolve
+    from hloopt.units import format_bytes
 
     target = resolve("fixtures/zoo/gpt2.py:tiny")
     outcome = pipeline.plan(target, profile=load_profile("tpu-v5e"), budget="5.8MiB")
     plan = outcome.plan
     text = lower(target, platform="tpu", policy=policy(plan)).hlo_text
     modeled = analyze(parse_module(text), platform="tpu").peak_bytes
-    assert plan.predicted.peak_bytes == modeled
-    assert modeled <= plan.budget.bytes or outcome.settle_note is not None
+    assert plan.predicted.peak_bytes <= plan.budget.bytes
+    assert modeled <= plan.budget.bytes or (outcome.settle_note is not None and
+                                            f"{format_bytes(modeled)}" in outcome.settle_note)

