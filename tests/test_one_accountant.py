@@ -40,7 +40,7 @@ def _analyze_peak(text: str, name: str) -> int:
     return analyze(parse_module(text, filename=name), platform="tpu").peak_bytes
 
 
-def _check(text: str, name: str) -> None:
+def check_all_device_replay(text: str, name: str) -> None:
     from hloopt.analysis import analyze
     from hloopt.hlo.parser import parse_module
     from hloopt.simulator import lower_bound_peak, simulate
@@ -72,7 +72,7 @@ def _check(text: str, name: str) -> None:
 
 @pytest.mark.parametrize("path", SNAPSHOTS, ids=[p.stem for p in SNAPSHOTS])
 def test_all_device_replay_is_analyzes_prediction_on_snapshots(path: Path) -> None:
-    _check(path.read_text(), path.name)
+    check_all_device_replay(path.read_text(), path.name)
 
 
 def _lowered_for_plan(model: str, size: str) -> tuple[str, str]:
@@ -89,14 +89,14 @@ def _lowered_for_plan(model: str, size: str) -> tuple[str, str]:
 def test_all_device_replay_is_analyzes_prediction_lowered_for_plan_tiny(model: str) -> None:
     """Lowered with ``everything_saveable``, as the planner lowers a JAX step."""
     text, source = _lowered_for_plan(model, "tiny")
-    _check(text, f"<{model} {source}>")
+    check_all_device_replay(text, f"<{model} {source}>")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["mlp", "convnet", "gpt2", "llama"])
 def test_all_device_replay_is_analyzes_prediction_lowered_for_plan_small(model: str) -> None:
     text, source = _lowered_for_plan(model, "small")
-    _check(text, f"<{model} {source}>")
+    check_all_device_replay(text, f"<{model} {source}>")
 
 
 @pytest.mark.slow
