@@ -130,12 +130,8 @@ def _as_target(target: Any, args: tuple[Any, ...], *, size: str | None,
         raise UserError(f"{tgt.name}: auto_offload needs a JAX step (file.py:factory), not an HLO file")
 
     def build(policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        if tgt.takes_policy:
-            t = tgt.rebuild(policy=policy)
-            assert t.step_fn is not None
-            return _bind_kwargs(t.step_fn, t.kwargs), tuple(t.args)
-        assert tgt.step_fn is not None
-        return apply_policy(policy, _bind_kwargs(tgt.step_fn, tgt.kwargs)), tuple(tgt.args)
+        step_fn, args, kwargs = tgt.with_policy(policy)
+        return _bind_kwargs(step_fn, kwargs), args
 
     return tgt, build
 

@@ -153,18 +153,9 @@ class Measurement:
 
 
 def _step_with_policy(target: Any, policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    """``(step_fn, args, kwargs)`` of ``target`` with every ``jax.checkpoint`` taking ``policy``.
-
-    The one place a policy reaches a step: a factory that declares ``policy=`` is called again
-    with it (:meth:`hloopt.targets.Target.rebuild`); any other step traces under the policy
-    (:func:`hloopt.apply.apply_policy`), so code that never exposes its policy is measured too.
-    """
-    if target.takes_policy:
-        t = target.rebuild(policy=policy)
-        return t.step_fn, tuple(t.args), dict(t.kwargs)
-    from hloopt.apply import apply_policy
-
-    return apply_policy(policy, target.step_fn), tuple(target.args), dict(target.kwargs)
+    """``(step_fn, args, kwargs)`` of ``target`` with every ``jax.checkpoint`` taking ``policy``
+    (:meth:`hloopt.targets.Target.with_policy`: code that never exposes its policy too)."""
+    return target.with_policy(policy)
 
 
 def materialize(tree: Any, *, seed: int = 0) -> Any:

@@ -74,22 +74,38 @@ class Target:
 
     @property
     def takes_policy(self) -> bool:
-        """Whether the factory declares a ``policy`` parameter (a ``**kwargs`` catch-all does not
-        count: a factory forwarding keywords into a config would choke on a function)."""
-        if self.factory is None:
-            return False
-        try:
-            params = inspect.signature(self.factory).parameters
-        except (TypeError, ValueError):
-            return False
-        p = params.get("policy")
-        return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        """Whether the factory declares a ``policy`` parameter (:func:`declares_policy`)."""
+        return self.factory is not None and declares_policy(self.factory)
+
+    def with_policy(self, policy: Any) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        """``(step_fn, args, kwargs)`` with every ``jax.checkpoint`` taking ``policy``: the factory
+        called again when it declares ``policy=``, else the step traced under the policy
+        (:func:`hloopt.apply.apply_policy`)."""
+        if self.takes_policy:
+            t = self.rebuild(policy=policy)
+            assert t.step_fn is not None
+            return t.step_fn, tuple(t.args), dict(t.kwargs)
+        from hloopt.apply import apply_policy
+
+        assert self.step_fn is not None
+        return apply_policy(policy, self.step_fn), tuple(self.args), dict(self.kwargs)
 
     def rebuild(self, **factory_kwargs: Any) -> Target:
         """Call the factory again with these keywords added (e.g. ``policy=``)."""
         if self.kind != "jax" or self.factory is None:
             raise UserError(f"{self.name}: only a jax TARGET can be rebuilt (with policy= ...); this is {self.kind}")
         return _call_factory(self.name, self.factory, {**self.factory_kwargs, **factory_kwargs})
+
+
+def declares_policy(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` declares a ``policy`` parameter (a ``**kwargs`` catch-all does not count: a
+    factory forwarding keywords into a config would choke on a function)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get("policy")
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
 
 
 def resolve(target: str, *, size: str | None = None, factory_kwargs: Mapping[str, Any] | None = None,
