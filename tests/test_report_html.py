@@ -158,7 +158,21 @@ def test_browser_draws_llama_timeline_with_tooltip_and_sorting(browser, tmp_path
         "return Array.from(document.querySelectorAll('#memory-chart path.area'))"
         ".map(p => { const b = p.getBBox(); return [p.dataset.cat, b.width, b.height]; });")
     assert {s[0] for s in sizes} == set(data.baseline_by_category)
-    assert all(w > 500 and h > 10 for _, w, h in sizes), sizes
+    # each band spans the full width, and its height is its bytes on the chart's scale: from the lowest
+    # bottom to the highest top of the category in the stack, over the downsampled buckets
+    ds = downsample(data)
+    ymax = max(data.baseline_peak_bytes, data.budget_bytes or 0) * 1.1
+    cum = np.zeros(ds["mat"].shape[1], dtype=np.int64)
+    want = {}
+    for cat, row in zip(ds["cats"], ds["mat"]):
+        lower, cum = cum, cum + row
+        want[cat] = (cum.max() - lower.min()) / ymax
+    plot_h = browser.execute_script(
+        "return document.querySelector('#memory-chart rect.bwd').getBBox().height;")
+    for cat, w, h in sizes:
+        assert w > 500, (cat, w)
+        assert h == pytest.approx(want[cat] * plot_h, abs=0.5), (cat, h, want[cat] * plot_h)
+    assert max(h for _, _, h in sizes) > 0.2 * plot_h  # the largest band is a visible part of the plot
     assert browser.find_element(By.ID, "budget-line").size["width"] > 500
     # hover the peak step: the tooltip names its instruction and the total in bytes
     overlay = browser.find_element(By.ID, "memory-hover")
