@@ -412,9 +412,17 @@ def candidate_groups(residuals: Any) -> dict[str, list[Any]]:
 
 
 def relative_source(text: str) -> str:
-    """``/abs/cwd/model.py:3`` -> ``model.py:3``: plans and reports do not depend on the checkout."""
+    """A source path as lowered HLO writes it (:func:`hloopt.lowering.relative_paths`): an
+    installed package's file by its package path (``/venv/.../site-packages/maxtext/layers/x.py``
+    -> ``maxtext/layers/x.py``), ``/abs/cwd/model.py:3`` -> ``model.py:3``: plans and reports do
+    not depend on the checkout, and call sites (jaxpr frames) compare with HLO locations."""
     import os
 
+    from hloopt.lowering import package_folders
+
+    for folder in package_folders():
+        if text.startswith(folder):
+            return text[len(folder):]
     cwd = os.getcwd().rstrip(os.sep) + os.sep
     return text[len(cwd):] if text.startswith(cwd) else text
 
@@ -1079,6 +1087,7 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     names: dict[str, str] = {}
     #: markers the line cannot name: without a user line, or on a line where several names are
     #: called (haliax names a scanned layer's carry and inputs at the line that calls the stack)
+    #: or none
     undecided: set[str] = set()
     for r in probe.residuals:
         marker = _name_marker(r.producer)
@@ -1089,9 +1098,11 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
             undecided.add(r.inst.name)
             continue
         found = by_line.get((relative_source(loc[0]), loc[1]), set())
-        if len(found) > 1:
-            undecided.add(r.inst.name)
         if len(found) != 1:
+            # several names on the line, or none: not a marker the line can name (jax >= 0.11
+            # also lowers other identities to reduce-precision, and a library's shim around a
+            # JAX function can be the line)
+            undecided.add(r.inst.name)
             continue
         name = next(iter(found))
         # ... and what selecting that name moves (the probe's values) has its size and type

@@ -6,7 +6,10 @@ compiled modules do not carry ``jvp(``/``transpose(``):
 
 1. **Loss.** The step's loss is the scalar floating-point output of the entry root with the most
    ancestors (a train step returns ``(params, opt_state, loss)``; the gradient update depends on
-   the whole forward pass but the loss is the only scalar that does). ``loss_output=`` overrides.
+   the whole forward pass but the loss is the only scalar that does). Steps that also return
+   metrics of the gradients (a gradient norm) have scalars with more ancestors: where JAX's
+   op_names mark backward ops (``transpose(``), scalars computed from one are not candidates.
+   ``loss_output=`` overrides.
 2. **Forward set F** = the loss and its transitive operands, closed under
 
    * ``get-tuple-element`` or ``bitcast`` of a value in F (a piece or view of a forward value);
@@ -523,10 +526,17 @@ def _pick_loss(entry: Computation, loss_output: int | None, module: Module) -> I
                         "(a train step returns its loss); name it with loss_output=")
     if len(scalars) == 1:
         return scalars[0]
-    return max(scalars, key=lambda o: (_ancestor_count(o), -outputs.index(o)))
+    ancestors = {o: _ancestors(o) for o in scalars}
+    # Steps also report metrics computed from the gradients (MaxText's grad_norm, the new params'
+    # norm): they have more ancestors than the loss. Where op_names carry JAX's transposition
+    # (``transpose(jvp(...))`` on every backward op), a scalar computed from one is no loss.
+    forward_only = [o for o in scalars if not any("transpose(" in a.metadata.op_name for a in ancestors[o])]
+    if forward_only and len(forward_only) < len(scalars):
+        scalars = forward_only
+    return max(scalars, key=lambda o: (len(ancestors[o]), -outputs.index(o)))
 
 
-def _ancestor_count(inst: Instruction) -> int:
+def _ancestors(inst: Instruction) -> set[Instruction]:
     seen: set[Instruction] = set()
     stack = [inst]
     while stack:
@@ -535,7 +545,7 @@ def _ancestor_count(inst: Instruction) -> int:
             continue
         seen.add(i)
         stack.extend(i.operands)
-    return len(seen)
+    return seen
 
 
 def _static_values(order: Sequence[Instruction]) -> set[Instruction]:
