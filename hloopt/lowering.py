@@ -331,11 +331,13 @@ def framework_frames_skipped(model_packages: Iterable[str] = ()) -> Iterator[Non
 
     excludes = getattr(siu, "_exclude_paths", None)
     includes = getattr(siu, "_include_paths", None)
+    # a library's replacement of a JAX function is plumbing, not model code
+    shims = jax_shims()
     # hloopt's own frames (lower() calling the step) are no user's either
-    excluded = [os.path.dirname(os.path.abspath(__file__)) + os.sep, *folders(FRAMEWORK_PACKAGES)]
+    excluded = [os.path.dirname(os.path.abspath(__file__)) + os.sep, *folders(FRAMEWORK_PACKAGES), *sorted(shims)]
     installed = package_folders()
-    included = [f for f in folders(set(model_packages) - set(FRAMEWORK_PACKAGES) - _NOT_MODELS)
-                if f.startswith(installed)]
+    included = [part for f in folders(set(model_packages) - set(FRAMEWORK_PACKAGES) - _NOT_MODELS)
+                if f.startswith(installed) for part in _cover(f, shims)]
     if not isinstance(excludes, list):
         excluded = []
     if not isinstance(includes, list):
@@ -351,6 +353,50 @@ def framework_frames_skipped(model_packages: Iterable[str] = ()) -> Iterator[Non
             for p in add:
                 lst.remove(p)  # type: ignore[union-attr]
         _clear_frame_caches(siu)
+
+
+#: JAX's public namespaces whose functions a library may replace (see :func:`jax_shims`)
+_JAX_NAMESPACES = ("jax", "jax.lax", "jax.numpy", "jax.nn", "jax.random", "jax.sharding", "jax.ad_checkpoint")
+
+
+def jax_shims() -> set[str]:
+    """Source files outside JAX whose functions stand in JAX's public namespaces: a library that
+    replaces a JAX function at import (MaxText's tunix adapter wraps
+    ``jax.lax.with_sharding_constraint``) would otherwise be the "user" line of every op that
+    function emits, in whichever layer called it."""
+    import jax
+
+    jax_dir = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+    out: set[str] = set()
+    for name in _JAX_NAMESPACES:
+        mod = sys.modules.get(name)
+        for value in list(vars(mod).values()) if mod is not None else ():
+            code = getattr(value, "__code__", None)
+            file = getattr(code, "co_filename", None)
+            if not isinstance(file, str) or file.startswith("<"):
+                continue
+            file = os.path.abspath(file)
+            if not file.startswith(jax_dir) and file.startswith(package_folders()):
+                out.add(file)
+    return out
+
+
+def _cover(folder: str, holes: set[str]) -> list[str]:
+    """Path prefixes that match every file under ``folder`` except the files in ``holes``:
+    ``folder`` itself when no hole lies under it, else its entries, recursively."""
+    if not any(h.startswith(folder) for h in holes):
+        return [folder]
+    out: list[str] = []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.is_dir():
+            out += _cover(entry.path + os.sep, holes)
+        elif entry.path not in holes:
+            out.append(entry.path)
+    return out
 
 
 #: packages a step's code uses that hold no model code (never "included" as model frames)

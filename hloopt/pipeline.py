@@ -1007,7 +1007,7 @@ def _imports(tgt: Any) -> set[str]:
 
 
 def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Problem:
-    """Keep on device the unnamed candidates whose policy rule would move other values too.
+    """Offload no unnamed candidate whose policy rule would move other values too.
 
     A primitive rule (primitive, output shape) selects every value of that primitive and shape in
     the checkpointed layers, which may be more than the residuals the candidate groups (a value
@@ -1015,9 +1015,9 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
     every such rule offloading (names saved); rules whose shape's ``pinned_host`` annotations
     (times their loop trip counts, :func:`hloopt.verify.offload_annotations`) do not add up to
     the candidates' instances, or that share their shape with another rule, are lowered again
-    alone, and a rule that annotates a different number of values than it has instances may only
-    stay on device. Rules still interact (recomputing one value can make another a residual):
-    ``hloopt verify`` checks the chosen plan as a whole.
+    alone, and a rule that annotates a different number of values than it has instances is not
+    offloaded (it may stay on device or recompute). Rules still interact (recomputing one value
+    can make another a residual): ``hloopt verify`` checks the chosen plan as a whole.
     """
     from collections import Counter
 
@@ -1053,13 +1053,16 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
             bad[c.key] = n
     if not bad:
         return problem
-    cands = tuple(dataclasses.replace(c, allowed=frozenset({Action.DEVICE})) if c.key in bad else c
-                  for c in problem.candidates)
+    # Recomputing is still open to such a rule: the values it selects beyond the residuals are not
+    # saved by it, and an unsaved value the backward pass needs is recomputed (verify checks the
+    # whole plan); saving or offloading them would move bytes the plan does not count.
+    cands = tuple(dataclasses.replace(c, allowed=c.allowed & frozenset({Action.DEVICE, Action.REMAT}))
+                  if c.key in bad else c for c in problem.candidates)
     notes = dict(problem.notes)
     for c in rules:
         if c.key in bad:
             notes[f"kept:{c.key}"] = (f"a policy rule for {c.primitive} {c.shape} selects {bad[c.key]} value(s), "
-                                      f"not these {len(c.instances)}: saved")
+                                      f"not these {len(c.instances)}: not offloaded")
     return dataclasses.replace(problem, candidates=cands, notes=notes)
 
 

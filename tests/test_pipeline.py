@@ -102,3 +102,59 @@ def test_plan_cli_json_and_infeasible_budget(tmp_path):
     r = runner.invoke(cli, ["plan", LLAMA, "--device", "tpu-v5e", "--budget", "1MiB"])
     assert r.exit_code == 2
     assert "needs at least" in r.output or "below" in r.output
+
+
+MISMATCHED_RULE = '''
+import jax
+import jax.numpy as jnp
+
+
+def block(x):
+    a = x * 2.0               # a residual: b's derivative reads it
+    b = a * a
+    return jnp.exp(b) * 3.0   # a mul of the same shape and primitive that no backward op reads
+
+
+def make():
+    def loss(w, x):
+        return jnp.sum(jax.checkpoint(block)(x @ w))
+
+    def step(w, x):
+        value, g = jax.value_and_grad(loss)(w, x)
+        return w - 0.1 * g, value
+
+    s = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    return step, (s, s)
+'''
+
+
+def test_a_rule_that_selects_more_than_its_residuals_may_recompute_but_not_offload(tmp_path) -> None:
+    """``mul f32[512,512]`` selects two values of the checkpointed block where one is a residual:
+    offloading by that rule would move what the plan does not count, so it is not offered; the
+    rule may still recompute, and recomputing by it removes the residual (the HLO JAX emits)."""
+    from hloopt import pipeline
+    from hloopt.emit import PlanPolicy
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+    from hloopt.passes.residuals import find_residuals
+    from hloopt.problem import Action
+    from hloopt.targets import resolve
+
+    path = tmp_path / "step.py"
+    path.write_text(MISMATCHED_RULE)
+    target = f"{path}:make"
+    outcome = pipeline.plan(target, profile=load_profile("tpu-v5e"), budget=None, max_slowdown=100.0)
+    mul = next(c for c in outcome.problem.candidates if c.primitive == "mul")
+    assert mul.allowed == frozenset({Action.DEVICE, Action.REMAT})
+    assert "not offloaded" in outcome.problem.notes[f"kept:{mul.key}"]
+
+    def residual_lines(policy):
+        text = lower(resolve(target), platform="tpu", policy=policy).hlo_text
+        return sorted((r.source_text or "").rsplit(":", 1)[-1] for r in find_residuals(parse_module(text)))
+
+    keep = PlanPolicy(frozenset(), frozenset(), (("mul", mul.shape, "device"), ("exp", None, "device")))
+    recompute = PlanPolicy(frozenset(), frozenset(), (("mul", mul.shape, "remat"), ("exp", None, "device")))
+    # by source line: 7 is ``a = x * 2.0``, 9 the exp, 14 the block's input (what recomputing
+    # ``a`` reads, which JAX then saves)
+    assert residual_lines(keep) == ["7", "9"]
+    assert residual_lines(recompute) == ["14", "9"]

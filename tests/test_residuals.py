@@ -175,6 +175,41 @@ def test_loss_output_option_and_bad_index() -> None:
         find_residuals(parse_module(MLP), loss_output=5)
 
 
+def test_a_metric_of_the_gradients_is_not_taken_for_the_loss() -> None:
+    """A step that also returns its gradients' norm (as MaxText's does) has a scalar with more
+    ancestors than the loss; the residuals are still the forward pass's: those of the same step
+    returning the loss alone (JAX's HLO of both as truth)."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloopt.lowering import lower
+
+    def loss_fn(w, x):
+        h = jnp.tanh(x @ w[0])
+        return jnp.sum(jnp.tanh(h @ w[1]) ** 2)
+
+    def step_alone(w, x):
+        loss, g = jax.value_and_grad(loss_fn)(w, x)
+        return [wi - 0.1 * gi for wi, gi in zip(w, g)], loss
+
+    def step_with_norm(w, x):
+        loss, g = jax.value_and_grad(loss_fn)(w, x)
+        norm = jnp.sqrt(sum(jnp.sum(gi * gi) for gi in g))
+        return [wi - 0.1 * gi for wi, gi in zip(w, g)], loss, norm
+
+    w = [jax.ShapeDtypeStruct((64, 64), jnp.float32)] * 2
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+
+    def residuals(step):
+        rs = find_residuals(parse_module(lower(step, w, x, platform="tpu").hlo_text))
+        return rs, sorted((r.dtype, r.per_layer_dims) for r in rs)
+
+    alone, want = residuals(step_alone)
+    with_norm, got = residuals(step_with_norm)
+    assert want and got == want
+    assert with_norm.loss.opcode == alone.loss.opcode
+
+
 def test_module_without_scalar_loss_is_a_user_error() -> None:
     from hloopt.errors import UserError
 

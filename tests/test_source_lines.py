@@ -92,3 +92,52 @@ def test_a_library_models_ops_are_located_in_the_library_by_package_path(tmp_pat
     module = parse_module(text)
     dots = [i for c in module.computations.values() for i in c.instructions if i.opcode == "dot"]
     assert dots and {module.source_of(d) for d in dots} == {("modellib/layers.py", 5)}
+
+
+def test_a_librarys_replacement_of_a_jax_function_is_not_the_models_line(tmp_path, monkeypatch) -> None:
+    """A library that replaces a JAX function at import (MaxText wraps
+    ``jax.lax.with_sharding_constraint``) is plumbing: the ops that function emits are located at
+    the layer that called it, not in the replacement's file, though both are the library's."""
+    from jax._src import source_info_util as siu
+
+    site = tmp_path / "site-packages"
+    (site / "shimlib").mkdir(parents=True)
+    (site / "shimlib" / "__init__.py").write_text("")
+    (site / "shimlib" / "patch.py").write_text(
+        "import jax.numpy as jnp\n\n_orig = jnp.tanh\n\n\ndef tanh(x):\n    return _orig(x)  # patch line 7\n")
+    (site / "shimlib" / "layers.py").write_text(
+        "import jax.numpy as jnp\n\n\ndef layer(x, w):\n    return jnp.tanh(x @ w)  # library line 5\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(siu, "_exclude_paths", [*siu._exclude_paths, str(site) + os.sep])
+    siu._exclude_path_regex.cache_clear()
+    siu.is_user_filename.cache_clear()
+    try:
+        import shimlib.layers as layers
+        import shimlib.patch as patch
+
+        monkeypatch.setattr(jnp, "tanh", patch.tanh)
+
+        def step(x, w):
+            return jax.grad(lambda w: jnp.sum(layers.layer(x, w)))(w)
+
+        step.__globals__["layers"] = layers
+        s = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+        text = lower(step, s, s, platform="tpu").hlo_text
+    finally:
+        siu._exclude_path_regex.cache_clear()
+        siu.is_user_filename.cache_clear()
+        for name in ("shimlib.layers", "shimlib.patch", "shimlib"):
+            sys.modules.pop(name, None)
+    from hloopt.hlo.parser import parse_module
+
+    module = parse_module(text)
+    tanhs = [i for c in module.computations.values() for i in c.instructions if i.opcode == "tanh"]
+    assert tanhs and {module.source_of(t) for t in tanhs} == {("shimlib/layers.py", 5)}
+
+
+def test_call_sites_and_hlo_locations_compare_by_package_path() -> None:
+    from hloopt.pipeline import relative_source
+
+    for folder in package_folders():
+        assert relative_source(f"{folder}maxtext/layers/attentions.py") == "maxtext/layers/attentions.py"
+    assert relative_source(os.path.join(os.getcwd(), "model.py")) == "model.py"

@@ -90,31 +90,35 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
 
 
 def _print_maxtext(outcome: object, console: object) -> None:
-    """The plan as MaxText keys; where MaxText cannot express all of it (rules for unnamed
-    residuals), say so and print the best plan its keys alone express, with its prediction."""
+    """The plan as MaxText keys. Where MaxText cannot express all of it (rules for values without
+    a MaxText checkpoint_name, which MaxText recomputes), the keys printed are those of the best
+    plan MaxText's keys alone express, with its own prediction; comments in the YAML say so and
+    what the full plan (applied with ``hloopt.use_plan``) predicts: the YAML is read the same
+    with ``-q``."""
     from hloopt import pipeline
     from hloopt.emit import MAXTEXT_NAMES, maxtext_unexpressible, maxtext_yaml
     from hloopt.units import format_bytes, format_seconds
 
     plan = outcome.plan  # type: ignore[attr-defined]
     console.print("\n[bold]MaxText config[/bold]:")  # type: ignore[attr-defined]
-    click.echo(maxtext_yaml(plan, strict=False))
     # values that can be recomputed: what MaxText does with any it is not told about
     choosable = [c.key for c in outcome.problem.candidates if any(a.value == "remat" for a in c.allowed)]  # type: ignore[attr-defined]
     missing = maxtext_unexpressible(plan, choosable)
     if not missing:
+        click.echo(maxtext_yaml(plan, strict=False))
         return
-    alt = pipeline.config_only_plan(outcome, MAXTEXT_NAMES)  # type: ignore[arg-type]
     pr = plan.predicted
-    console.print(f"MaxText's keys cannot express {len(missing)} of this plan's decisions (rules for values "  # type: ignore[attr-defined]
-                  f"without a MaxText checkpoint_name); the plan above predicts {format_bytes(pr.peak_bytes)}, "
-                  f"{format_seconds(pr.step_time_s)}.", markup=False, highlight=False)
+    alt = pipeline.config_only_plan(outcome, MAXTEXT_NAMES)  # type: ignore[arg-type]
+    head = (f"# MaxText's keys cannot express {len(missing)} of this plan's decisions (values without a MaxText\n"
+            f"# checkpoint_name, which MaxText recomputes); the full plan, applied with hloopt.use_plan,\n"
+            f"# predicts {format_bytes(pr.peak_bytes)}, {format_seconds(pr.step_time_s)}.")
     if alt is None:
-        console.print("No plan MaxText's keys alone can express fits the budget.", markup=False)  # type: ignore[attr-defined]
+        click.echo(head + "\n# No plan MaxText's keys alone can express fits the budget; its keys, not enough alone:")
+        click.echo(maxtext_yaml(plan, strict=False))
         return
     ap = alt.predicted
-    console.print(f"\n[bold]Best plan MaxText's keys alone express[/bold]: peak {format_bytes(ap.peak_bytes)}, "  # type: ignore[attr-defined]
-                  f"step {format_seconds(ap.step_time_s)}:")
+    click.echo(head + f"\n# The best plan MaxText's keys alone express: {format_bytes(ap.peak_bytes)}, "
+               f"{format_seconds(ap.step_time_s)}:")
     click.echo(maxtext_yaml(alt, strict=False))
 
 
