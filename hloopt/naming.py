@@ -238,7 +238,8 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
             single = find_residuals(lower_module(target, policy=offload_all_policy([n]), platform=platform))
             diff = single if policy is None else find_residuals(
                 lower_module(target, policy=offload_policy([n], base=policy), platform=platform))
-            moved = _moved_by(baseline, diff)
+            # look-alikes (two names called on one line, the same shape) go one to each name
+            moved = _moved_by(baseline, diff, taken=frozenset(names_for))
             for inst_name in moved:
                 names_for.setdefault(inst_name, n)
             # a name whose moves the comparison found is settled; another's values (it moves
@@ -273,19 +274,26 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
                      ambiguous=tuple(ambiguous))
 
 
-def _moved_by(baseline: ResidualSet, single: ResidualSet) -> list[str]:
+def _moved_by(baseline: ResidualSet, single: ResidualSet, taken: frozenset[str] = frozenset()) -> list[str]:
     """Baseline residuals (instruction names) that a one-name probe ``single`` moves: the probe
     keeps fewer device residuals of their producer, line and shape than the baseline does, and
     offloads a value of that producer and line, else of that shape (only where there are at
     least as many such values as such vanished residuals: no guessing among look-alikes). A
     scan carry is a stacked ``get-tuple-element`` in both; with everything saved it is the
     ``checkpoint_name`` marker (``reduce-precision``) in the baseline and the offloaded stack's
-    ``get-tuple-element`` in the probe, the same dtype, per-layer dims and layers."""
+    ``get-tuple-element`` in the probe, the same dtype, per-layer dims and layers. Residuals in
+    ``taken`` (another name's) are not this probe's when a look-alike is left."""
     gone = (Counter(_sig(r) for r in baseline if not r.offloaded)
             - Counter(_sig(r) for r in single if not r.offloaded))
     vanished: list[Residual] = []
+    free = Counter(_sig(r) for r in baseline if not r.offloaded and r.inst.name not in taken)
     for r in baseline:
+        # a taken residual only where no untaken look-alike is left to stand for what vanished
+        if r.inst.name in taken and free[_sig(r)] >= gone[_sig(r)]:
+            continue
         if not r.offloaded and gone[_sig(r)] > 0:
+            if r.inst.name not in taken:
+                free[_sig(r)] -= 1
             gone[_sig(r)] -= 1
             vanished.append(r)
     moved = [r for r in single if r.offloaded]

@@ -97,6 +97,9 @@ class Candidate:
     #: The recomputation is elementwise, which XLA fuses into every backward reader: under REMAT
     #: the value is never stored again after its last forward use (no second device interval).
     remat_fused: bool = False
+    #: Every instance is one layer of a scanned stack, read in an iteration of the backward loop
+    #: (where a recomputation happens inside that iteration).
+    in_loop: bool = False
 
     @property
     def bytes(self) -> int:

@@ -108,12 +108,13 @@ def test_long_chainscheck_milp_vs_heuristic(layers, load, frac):
     check_milp_vs_heuristic(layers, load, frac)
 
 
-def queue_free_problem(seed: int, frac: float) -> tuple[Problem, int]:
+def queue_free_problem(seed: int, frac: float, fused: bool = False) -> tuple[Problem, int]:
     """8 instances in 6 candidates (two hold 2 instances, like a scanned layer), where the MILP's
     model is exact: steps of 1 ms, every copy under 1 ms, one copy out every other forward step
     and one reload every other backward step (no queueing, no duplex), no latency, each buffer
     read once in the forward. Actions allowed at random; budget ``frac`` of the way from the
-    least peak to the all-device peak."""
+    least peak to the all-device peak. ``fused``: every other candidate's recomputation is fused
+    into its readers (never stored again)."""
     rng = np.random.default_rng(seed)
     n_inst, owners = 8, [0, 0, 1, 1, 2, 3, 4, 5]
     prod = 1 + 2 * np.arange(n_inst)
@@ -129,7 +130,7 @@ def queue_free_problem(seed: int, frac: float) -> tuple[Problem, int]:
     cands = tuple(
         Candidate(f"c{c}", f"c{c}", f"c{c}", tuple(x for x, o in zip(insts, owners) if o == c),
                   frozenset(kinds[int(rng.integers(0, 3))] | {Action.DEVICE}),
-                  remat_s=float(rng.uniform(0.2e-3, 3e-3)))
+                  remat_s=float(rng.uniform(0.2e-3, 3e-3)), remat_fused=fused and c % 2 == 0)
         for c in range(6))
     p = Problem(steps, cands, rate, rate, rate, rate, 0.0)
     peak = simulate(p, Decisions.all_device()).peak_bytes
@@ -155,4 +156,15 @@ def test_milp_equals_brute_force(seed, frac):
     r = solve_milp(p, budget_bytes=budget, mip_rel_gap=1e-9)
     assert r.optimal and r.source == "milp"
     assert r.sim.peak_bytes <= budget
+    assert r.sim.step_time_s == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_milp_equals_brute_force_with_fused_remat(seed):
+    """Candidates recomputed inside their readers are off device from their last forward use to
+    their last use: the MILP's model counts them as the simulator does."""
+    p, budget = queue_free_problem(seed, 0.15, fused=True)
+    want = brute_force(p, budget)
+    r = solve_milp(p, budget_bytes=budget, mip_rel_gap=1e-9)
+    assert r.optimal and r.sim.peak_bytes <= budget
     assert r.sim.step_time_s == pytest.approx(want, rel=1e-12)

@@ -143,3 +143,61 @@ def test_compiled_presets_order_as_their_policies_say() -> None:
         host[preset] = lowered.memory["host_temp_size_in_bytes"]
     assert all(p > 0 for p in peak.values())
     assert host["minimal_offloaded"] > 0 == host["minimal"] == host["full"]
+
+
+#: MaxText's presets that differ on its Llama2 block with dot-product attention (the "context"
+#: variants equal their plain ones: only cuDNN/TE attention names ``context``)
+PRESETS = ("full", "minimal", "save_dot_except_mlp", "save_dot_except_mlpwi", "save_qkv_proj",
+           "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded")
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_planned_keys_fit_the_budget_with_no_more_flops_than_the_cheapest_preset_that_fits() -> None:
+    """``hloopt plan`` on MaxText's own step (size mini: 4 scanned layers, 8 x 1024 tokens,
+    activation-dominated), its MaxText keys applied to MaxText's config, the step compiled by
+    libtpu: its peak is within the budget, and no MaxText preset that fits the budget needs fewer
+    FLOPs (``cost_analysis``). Every figure is libtpu's, compiled in this run.
+
+    The budget, 2 GiB, is one the planner's timeline accepts: its replay counts a scanned layer's
+    recomputed values all live through the backward iteration, so it puts the least peak of any
+    policy at 1.28 GiB where libtpu compiles ``full`` in 577 MiB (libtpu 0.0.50); tighter budgets
+    are refused (README, known limitations)."""
+    import time
+
+    from hloopt import pipeline
+    from hloopt.devices import load_profile
+    from hloopt.emit import MAXTEXT_NAMES, maxtext_unexpressible
+    from hloopt.targets import resolve
+
+    budget = 2 * 2**30
+    started = time.perf_counter()
+    outcome = pipeline.plan(resolve(str(THIRDPARTY / "maxtext_llama2.py") + ":mini"),
+                            profile=load_profile("tpu-v5e"), budget=str(budget))
+    choosable = [c.key for c in outcome.problem.candidates if any(a.value == "remat" for a in c.allowed)]
+    plan = outcome.plan
+    if maxtext_unexpressible(plan, choosable):
+        plan = pipeline.config_only_plan(outcome, MAXTEXT_NAMES)
+        assert plan is not None, "no plan MaxText's keys alone express fits the budget"
+    planning_s = time.perf_counter() - started
+    # the names MaxText's Llama2 block calls, attached to the residuals the plan decides
+    assert {d.name for d in plan.decisions if d.name} >= {"query_proj", "key_proj", "value_proj", "out_proj",
+                                                          "mlpwi_0", "mlpwi_1", "decoder_layer_input"}
+
+    def compiled(**keys):  # type: ignore[no-untyped-def]
+        step, args = maxtext_llama2.make("mini", **keys)
+        started = time.perf_counter()
+        low = hloopt.lowering.lower(step, *args, platform="tpu", compile="tpu-v5e")
+        assert low.memory is not None and low.cost is not None
+        return low.memory["peak_memory_in_bytes"], low.cost["flops"], time.perf_counter() - started
+
+    fragment = yaml.safe_load(emit.maxtext_yaml(plan, strict=False))
+    peak, flops, compile_s = compiled(**fragment)
+    presets = {p: compiled(remat_policy=p) for p in PRESETS}
+    rows = [f"plan: {peak} B, {flops:.4g} FLOP (planning {planning_s:.0f} s, one compile {compile_s:.0f} s)"]
+    rows += [f"{p}: {pk} B, {fl:.4g} FLOP" for p, (pk, fl, _) in presets.items()]
+    report = "; ".join(rows)
+    assert peak <= budget, report
+    fitting = [fl for pk, fl, _ in presets.values() if pk <= budget]
+    assert fitting and flops <= min(fitting) * (1 + 1e-6), report
+    print(report)

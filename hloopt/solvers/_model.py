@@ -108,9 +108,11 @@ class Model:
         deadline = start[fbu]
         reload_start = deadline - h2d_s
         gap1[:, OFF] = np.minimum(np.searchsorted(end, reload_start, side="right"), fbu) - 1
-        # REMAT: dead after the last forward use, recomputed at fbu (the simulator's convention).
+        # REMAT: dead after the last forward use, recomputed at fbu (the simulator's convention);
+        # a candidate recomputed inside its readers (``remat_fused``) is never stored again.
+        fused = np.array([c.remat_fused for c in cands for _ in c.instances], dtype=bool)
         gap0[:, REM] = lfu + 1
-        gap1[:, REM] = fbu - 1
+        gap1[:, REM] = np.where(fused, last, fbu - 1)
         window = problem.prefetch_window_steps
         if window is None:
             release = d2h_done

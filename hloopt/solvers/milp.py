@@ -207,7 +207,8 @@ def _formulate(m: Model, target: np.ndarray, added: np.ndarray) -> _Formulation:
         due = np.bincount(fbu[link], weights=m.h2d_s[link], minlength=T + 1)[: T + 1]
         ceiling = (p.d2h_bytes_per_s * _lindley_steps(start_ext, rel, engines)
                    + p.h2d_bytes_per_s * _reload_steps(start_ext, due, engines)[1:])
-    events = np.concatenate([lfu[movable] + 1, fbu[movable], rel_step]).astype(np.int64)
+    rem_end = m.gap1[:, REM] + 1  # fbu, or past the last use where recomputing is fused
+    events = np.concatenate([lfu[movable] + 1, fbu[movable], rem_end[x_rem >= 0], rel_step]).astype(np.int64)
     kept = _kept_steps(excess, np.unique(events), ceiling)
     nk = len(kept)
     use_link = len(link) > 0 and nk > 0
@@ -253,10 +254,10 @@ def _formulate(m: Model, target: np.ndarray, added: np.ndarray) -> _Formulation:
         # gap stopped covering since kept[k-1]) = 0. An instance covers kept steps a..b.
         k = np.arange(nk)
         rows, cols, vals = [k, k[1:]], [f0 + k, f0 + k[:-1]], [np.ones(nk), -np.ones(nk - 1)]
-        for xc in (x_off, x_rem):
-            ok = (xc >= 0) & (lfu + 1 <= fbu - 1)
+        for xc, g_end in ((x_off, fbu - 1), (x_rem, m.gap1[:, REM])):
+            ok = (xc >= 0) & (lfu + 1 <= g_end)
             a = np.searchsorted(kept, lfu[ok] + 1, side="left")
-            b = np.searchsorted(kept, fbu[ok] - 1, side="right") - 1
+            b = np.searchsorted(kept, g_end[ok], side="right") - 1
             cover = a <= b
             w = m.inst_bytes[ok][cover] / byte_unit
             a, b, xcv = a[cover], b[cover], xc[ok][cover]
@@ -353,9 +354,10 @@ def _start_values(m: Model, f: _Formulation, choice: np.ndarray) -> np.ndarray:
     off = (act == OFF) | (act == REM)
     nk = len(f.kept)
     if nk:
-        ok = off & (lfu + 1 <= m.first_bwd - 1)
+        g_end = np.where(act == REM, m.gap1[:, REM], m.first_bwd - 1)
+        ok = off & (lfu + 1 <= g_end)
         a = np.searchsorted(f.kept, lfu[ok] + 1, side="left")
-        b = np.searchsorted(f.kept, m.first_bwd[ok] - 1, side="right")
+        b = np.searchsorted(f.kept, g_end[ok], side="right")
         diff = np.zeros(nk + 1)
         byte_unit = float(max(int(m.inst_bytes.max(initial=0)), 1))
         np.add.at(diff, a, m.inst_bytes[ok] / byte_unit)
