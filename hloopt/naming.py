@@ -76,6 +76,9 @@ class NameProbe:
     values: tuple[NamedValue, ...]
     #: names whose call sites share a source line with another name (not attributable)
     ambiguous: tuple[str, ...] = ()
+    #: residuals (instruction names) named by what a one-name lowering was seen to move, or by a
+    #: probe value of the same producing op, line and shape: not by a shape alone
+    diffed: frozenset[str] = frozenset()
 
     @property
     def coverage(self) -> float:
@@ -261,6 +264,7 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
             kept[sig] -= 1
         elif r.inst.name not in names_for:
             pending.append(r)
+    matched: frozenset[str] = frozenset(names_for)
     for same in (_sig, _shape_sig):  # the same producing op and line first, then the same shape
         for r in pending:
             if r.inst.name in names_for:
@@ -270,8 +274,10 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
                     names_for[r.inst.name] = name
                     taken.add(k)
                     break
+        if same is _sig:
+            matched = frozenset(names_for)  # the same producing op, line and shape
     return NameProbe(residuals=baseline.with_names(names_for), sites=tuple(sites), values=tuple(values),
-                     ambiguous=tuple(ambiguous))
+                     ambiguous=tuple(ambiguous), diffed=matched)
 
 
 def _moved_by(baseline: ResidualSet, single: ResidualSet, taken: frozenset[str] = frozenset()) -> list[str]:

@@ -647,6 +647,9 @@ class PlanOutcome:
     max_slowdown: float | None = None
     solver: str = "auto"
     time_limit_s: float = 10.0
+    #: the resolved TARGET and the platform it was lowered for (config_only_plan lowers it again)
+    target: Any = None
+    platform: str | None = None
 
     def unmovable_line(self) -> str | None:
         return unmovable_residuals_line(self.analyzed.residuals, imports=self.imports)
@@ -679,8 +682,10 @@ def _stack_files(rs: Any, *, frames: int = 64) -> list[str]:
 
 
 def lower_for_plan(target: Any, profile: DeviceProfile, *, platform: str | None = None,
-                   compile: str | None = None, progress: Progress = _no_progress) -> tuple[Module, str]:
-    """Lower a JAX target with every residual saved; parse it. Returns (module, source)."""
+                   compile: str | None = None, progress: Progress = _no_progress,
+                   base_policy: Any = None) -> tuple[Module, str]:
+    """Lower a JAX target with every residual saved (or under ``base_policy``); parse it.
+    Returns (module, source)."""
     import jax
 
     from hloopt.hlo.parser import parse_module
@@ -688,7 +693,7 @@ def lower_for_plan(target: Any, profile: DeviceProfile, *, platform: str | None 
 
     plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
     with progress(f"lowering {target.name} for {compile or plat}"):
-        low = lower(target, platform=plat, policy=jax.checkpoint_policies.everything_saveable,
+        low = lower(target, platform=plat, policy=base_policy or jax.checkpoint_policies.everything_saveable,
                     compile=compile)
     text = low.compiled_text if compile else low.hlo_text
     assert text is not None, "lower(compile=...) returns the compiled text"
@@ -793,20 +798,23 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
 
 
 def analyze_target(tgt: Any, profile: DeviceProfile, *, platform: str | None = None,
-                   compile: str | None = None, progress: Progress = _no_progress) -> tuple[Analyzed, Problem]:
+                   compile: str | None = None, progress: Progress = _no_progress,
+                   base_policy: Any = None) -> tuple[Analyzed, Problem]:
     """The analyses and the Problem ``plan`` searches, for a resolved TARGET.
 
-    A JAX target is lowered with every residual saved, its residuals named by re-lowering with
-    one-name policies and its primitive rules probed; an HLO target is parsed as it is.
+    A JAX target is lowered with every residual saved (``base_policy``: with what that policy
+    saves, the rest recomputed), its residuals named by re-lowering with one-name policies and
+    its primitive rules probed; an HLO target is parsed as it is.
     """
     names: dict[str, str] = {}
     if tgt.kind == "jax":
         from hloopt.passes.inline import inline_for_assignment
 
-        module, source = lower_for_plan(tgt, profile, platform=platform, compile=compile, progress=progress)
+        module, source = lower_for_plan(tgt, profile, platform=platform, compile=compile, progress=progress,
+                                        base_policy=base_policy)
         module = inline_for_assignment(module)  # as analyze_module does
         with progress("naming residuals (re-lowering with one-name policies)"):
-            names = _names_for(tgt, module, profile, platform=platform)
+            names = _names_for(tgt, module, profile, platform=platform, base_policy=base_policy)
     else:
         from hloopt.hlo.parser import parse_module
 
@@ -819,7 +827,7 @@ def analyze_target(tgt: Any, profile: DeviceProfile, *, platform: str | None = N
     if not problem.candidates:
         raise UserError(f"{tgt.name}: found no forward->backward residuals to offload "
                         "(is this a training step with a backward pass?)")
-    if tgt.kind == "jax":
+    if tgt.kind == "jax" and base_policy is None:
         with progress("checking what each primitive rule selects (re-lowering)"):
             problem = probe_rules(tgt, problem, names.values(), platform=platform or (
                 "tpu" if profile.kind == "tpu" else "cuda"))
@@ -830,19 +838,21 @@ def analyze_target(tgt: Any, profile: DeviceProfile, *, platform: str | None = N
 
 
 def loop_remat_on_the_model(tgt: Any, problem: Problem) -> Problem:
-    """Where the memory model says so, a scanned layer's recomputed values are counted inside its
-    backward iteration rather than on top of it.
+    """Where the memory model says so, a scanned layer's recomputed values are temporaries of the
+    loop iterations that compute them, not buffers counted on top of those iterations.
 
-    The replay counts a value recomputed in an iteration of the backward loop as live through
-    that whole iteration, on top of the all-saved body's peak (the step's base there). XLA
-    recomputes the layer inside the iteration, where recomputed values die as their readers run
-    and the backward ops work on what the all-saved body held: summed on top, a Llama's
-    recomputed attention scores alone put the least peak of MaxText's step at twice what libtpu
-    compiles for it with nothing saved. The memory model decides (``hloopt analyze``'s TPU
-    prediction of the step lowered with ``nothing_saveable``): if the replay of "recompute every
-    value that can be", with the loop candidates' recomputation kept inside their iterations
-    (``remat_fused``), is not below the model's figure for that step, the loop candidates are
-    marked so; otherwise the replay's count stands. A note records the figures either way."""
+    The replay counts a residual as a buffer: under REMAT live in the forward iteration that
+    produces it and again through the backward iteration that recomputes it, on top of the step's
+    base there, the all-saved loop body's working set (which writes the value into its stack
+    in place, and whose backward ops work on what the recomputation gives back). Without the
+    stack, XLA computes the layer's values as temporaries of the iteration, dying as their
+    readers run: summed on top of the base, a Llama layer's attention scores put the least peak of
+    MaxText's step at twice what libtpu compiles with nothing saved. The memory model decides
+    (``hloopt analyze``'s TPU prediction of the step lowered with ``nothing_saveable``): if the
+    replay of "recompute every value that can be", with the loop candidates' recomputed values
+    counted as temporaries of their iterations (``remat_transient``), is not below the model's
+    figure, the loop candidates are marked so; otherwise the replay's count stands. A note
+    records the figures either way."""
     import jax
 
     from hloopt.analysis import analyze
@@ -851,21 +861,22 @@ def loop_remat_on_the_model(tgt: Any, problem: Problem) -> Problem:
     from hloopt.simulator import simulate
     from hloopt.units import format_bytes
 
-    loop = {c.key for c in problem.candidates if c.in_loop and Action.REMAT in c.allowed and not c.remat_fused}
+    loop = {c.key for c in problem.candidates if c.in_loop and Action.REMAT in c.allowed}
     if not loop:
         return problem
     text = lower(tgt, platform="tpu", policy=jax.checkpoint_policies.nothing_saveable).hlo_text
     modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (nothing saved)"), platform="tpu").peak_bytes)
     inside = dataclasses.replace(problem, candidates=tuple(
-        dataclasses.replace(c, remat_fused=True) if c.key in loop else c for c in problem.candidates))
+        dataclasses.replace(c, remat_transient=True) if c.key in loop else c for c in problem.candidates))
     every = Decisions({c.key: Action.REMAT for c in inside.candidates if Action.REMAT in c.allowed})
     replayed = simulate(inside, every).peak_bytes
     summed = simulate(problem, every).peak_bytes
-    figures = (f"nothing saved: memory model {format_bytes(modeled)}; replay with recomputed scanned "
-               f"values inside their iterations {format_bytes(replayed)}, on top of them {format_bytes(summed)}")
+    figures = (f"nothing saved: memory model {format_bytes(modeled)}; replay with scanned values "
+               f"recomputed as temporaries of their iterations {format_bytes(replayed)}, as buffers "
+               f"{format_bytes(summed)}")
     if replayed < modeled:
-        return dataclasses.replace(problem, notes={**problem.notes, "loop-remat": f"kept on top ({figures})"})
-    return dataclasses.replace(inside, notes={**inside.notes, "loop-remat": f"inside ({figures})"})
+        return dataclasses.replace(problem, notes={**problem.notes, "loop-remat": f"as buffers ({figures})"})
+    return dataclasses.replace(inside, notes={**inside.notes, "loop-remat": f"as temporaries ({figures})"})
 
 
 def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None,
@@ -920,7 +931,8 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     anchors = run_anchors(searched)  # every policy judged on the whole choice, not the settled one
     return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written,
                        imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
-                       time_limit_s=time_limit_s, settle_note=settle_note)
+                       time_limit_s=time_limit_s, settle_note=settle_note,
+                       target=tgt if compile is None else None, platform=platform)
 
 
 #: re-searches with a tighter budget when the memory model puts the planned step over the budget
@@ -992,19 +1004,57 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
 
 
 def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:
-    """A plan a framework config that decides only ``names`` can express (MaxText's
-    ``remat_policy: custom`` keys): every other value gets what such a config does with a value
-    it is not told about, recomputation (kept where it cannot be recomputed). The search runs
-    again under the outcome's budget or slowdown with those values allowed nothing but
-    recomputation; the solvers always allow keeping a value, so any such choice is then forced
-    back to recomputation, which only frees memory (the budget still holds) and costs the
-    recomputation's time: the best such plan found, not a proven optimum. None when no such plan
-    fits the budget."""
+    """The best plan a framework config that decides only ``names`` can express (MaxText's
+    ``remat_policy: custom`` keys), searched under the outcome's budget or slowdown. None when no
+    such plan fits the budget.
+
+    Such a config recomputes every value it is not told about, and that changes what the
+    backward pass reads: with everything else saved, a name's value may be no residual at all (a
+    query projection read only through its rotary embedding), while with everything else
+    recomputed it is what spares recomputing a matmul. So for a JAX target the step is lowered
+    again with only the names the program calls saved (``save_only_these_names``, every other
+    value recomputed), its residuals found and named as ``plan`` does, and the search decides each
+    name (device, offload or recompute); a value no name selects keeps what that lowering gives
+    it. For an HLO file (nothing to lower) the outcome's own problem is searched again with every
+    value outside ``names`` recomputed (kept where it cannot be)."""
+    p = outcome.plan
+    budget_bytes = p.budget.bytes if p.budget is not None else None
+    max_slowdown = outcome.max_slowdown if budget_bytes is None else None
+    if budget_bytes is None and max_slowdown is None:
+        return None  # a pareto plan has no single answer to compare
+    allowed_names = frozenset(names)
+    tgt = outcome.target
+    if tgt is not None and getattr(tgt, "kind", None) == "jax":
+        import jax
+
+        from hloopt.naming import checkpoint_names
+
+        called = sorted({site.name for site in checkpoint_names(tgt)} & allowed_names)
+        if not called:
+            return None
+        profile = _profile_of(p)
+        try:
+            an, problem = analyze_target(tgt, profile, platform=outcome.platform,
+                                         base_policy=jax.checkpoint_policies.save_only_these_names(*called))
+        except UserError:
+            return None
+        baseline = None
+    else:
+        an, problem, baseline = outcome.analyzed, outcome.problem, outcome.baseline
+    return _search_config(outcome, an, problem, baseline, allowed_names, budget_bytes, max_slowdown)
+
+
+def _search_config(outcome: PlanOutcome, an: Analyzed, problem: Problem, baseline: SimResult | None,
+                   allowed_names: frozenset[str], budget_bytes: int | None,
+                   max_slowdown: float | None) -> Any | None:
+    """Search ``problem`` with every candidate outside ``allowed_names`` forced to what a config
+    does with a value it is not told about: recompute (keep where it cannot). The solvers always
+    allow keeping a value, so any such choice is forced back to recomputation afterwards, which
+    only frees memory (the budget still holds) and costs the recomputation's time: the best such
+    plan found, not a proven optimum."""
     from hloopt.search import search
     from hloopt.simulator import simulate
 
-    allowed_names = frozenset(names)
-    problem = outcome.problem
     candidates = []
     forced: dict[str, Action] = {}
     for c in problem.candidates:
@@ -1013,11 +1063,8 @@ def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:
             c = dataclasses.replace(c, allowed=frozenset({forced[c.key]}))
         candidates.append(c)
     restricted = dataclasses.replace(problem, candidates=tuple(candidates))
-    p = outcome.plan
-    budget_bytes = p.budget.bytes if p.budget is not None else None
-    max_slowdown = outcome.max_slowdown if budget_bytes is None else None
-    if budget_bytes is None and max_slowdown is None:
-        return None  # a pareto plan has no single answer to compare
+    if baseline is None:
+        baseline = simulate(restricted, Decisions.all_device())
     try:
         sr = search(restricted, budget_bytes=budget_bytes, max_slowdown=max_slowdown,
                     solver=outcome.solver, time_limit_s=outcome.time_limit_s)
@@ -1030,9 +1077,10 @@ def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:
     result = simulate(restricted, decisions)
     if budget_bytes is not None and result.peak_bytes > budget_bytes:
         return None
-    return make_plan(p.target, outcome.analyzed, restricted, _profile_of(p),
+    p = outcome.plan
+    return make_plan(p.target, an, restricted, _profile_of(p),
                      budget_spec=p.budget.spec if p.budget else None, budget_bytes=budget_bytes, mode=p.mode,
-                     decisions=decisions, result=result, baseline=outcome.baseline,
+                     decisions=decisions, result=result, baseline=baseline,
                      solver={"name": chosen.solver, "status": "feasible", "gap": None})
 
 
@@ -1109,7 +1157,8 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
     return dataclasses.replace(problem, candidates=cands, notes=notes)
 
 
-def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None) -> Any:
+def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: str | None,
+               base_policy: Any = None) -> Any:
     """``{instruction name: checkpoint_name}`` for the residuals of ``module`` (see hloopt.naming),
     as a :class:`hloopt.naming.ResidualNames` that also knows the checkpoints' input names."""
     import jax
@@ -1118,9 +1167,9 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     from hloopt.passes.residuals import LIBRARY_PATHS, find_residuals
 
     plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
-    # the module is lower_for_plan's: every residual saved
-    probe = name_residuals(tgt, baseline=find_residuals(module), platform=plat,
-                           policy=jax.checkpoint_policies.everything_saveable)
+    # the module is lower_for_plan's: every residual saved (or base_policy's)
+    everything = base_policy or jax.checkpoint_policies.everything_saveable
+    probe = name_residuals(tgt, baseline=find_residuals(module), platform=plat, policy=everything)
     probed = {r.inst.name: r.name for r in probe.residuals if r.name}
     # The probe matches residuals of two different lowerings, falling back to shapes, which is
     # ambiguous when several names share a shape (q/context/out projections). JAX lowers
@@ -1132,9 +1181,10 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
         by_line.setdefault((relative_source(site.file), site.line), set()).add(site.name)
     names: dict[str, str] = {}
     #: markers the line cannot name: without a user line, or on a line where several names are
-    #: called (haliax names a scanned layer's carry and inputs at the line that calls the stack)
-    #: or none
+    #: called (haliax names a scanned layer's carry and inputs at the line that calls the stack),
+    #: or none where a one-name lowering moved the value
     undecided: set[str] = set()
+    nameless: set[str] = set()  # markers on a line where no name is called
     for r in probe.residuals:
         marker = _name_marker(r.producer)
         if marker is None:
@@ -1144,11 +1194,14 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
             undecided.add(r.inst.name)
             continue
         found = by_line.get((relative_source(loc[0]), loc[1]), set())
-        if len(found) != 1:
-            # several names on the line, or none: not a marker the line can name (jax >= 0.11
-            # also lowers other identities to reduce-precision, and a library's shim around a
-            # JAX function can be the line)
+        if len(found) > 1:
             undecided.add(r.inst.name)
+        elif not found:
+            # JAX marks every value a policy saves, at the line of the op that made it: a name
+            # called on another line than its argument's op (MaxText shards first, in a helper)
+            # is checked below by lowering with that name alone offloaded
+            nameless.add(r.inst.name)
+        if len(found) != 1:
             continue
         name = next(iter(found))
         # ... and what selecting that name moves (the probe's values) has its size and type
@@ -1163,6 +1216,21 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     for inst_name, name in probed.items():
         if inst_name in unmarked and inst_name not in names and name not in taken:
             names[inst_name] = name
+    # A nameless marker takes a name only if offloading that name alone moves it (the probe's
+    # shape match can pick a look-alike: a roped query where the projection is no residual).
+    guesses = {name for inst_name, name in probed.items()
+               if inst_name in nameless and inst_name not in probe.diffed and name not in set(names.values())}
+    diffed = {i: n for i, n in probed.items() if i in nameless and i in probe.diffed and n not in taken}
+    names.update(diffed)
+    if guesses:
+        from hloopt.naming import _moved_by, lower_module, offload_policy
+
+        baseline = probe.residuals
+        for name in sorted(guesses):
+            single = find_residuals(lower_module(tgt, policy=offload_policy([name], base=everything), platform=plat))
+            for inst_name in _moved_by(baseline, single, taken=frozenset(names)):
+                if inst_name in nameless and inst_name not in names:
+                    names[inst_name] = name
     return ResidualNames(names, checkpoint_inputs=input_names(probe.sites))
 
 

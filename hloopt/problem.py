@@ -100,6 +100,10 @@ class Candidate:
     #: Every instance is one layer of a scanned stack, read in an iteration of the backward loop
     #: (where a recomputation happens inside that iteration).
     in_loop: bool = False
+    #: Under REMAT the values are temporaries of the loop iterations that compute them (forward)
+    #: and recompute them (backward), held by those iterations' own working set (the steps'
+    #: base): not counted apart from it (set where the memory model says so).
+    remat_transient: bool = False
 
     @property
     def bytes(self) -> int:

@@ -36,7 +36,9 @@ Model (times in seconds, steps run in schedule order)::
   DEVICE ``[produced, last_use]``; OFFLOAD ``[produced, max(last_forward_use, step where the
   D2H ends)]`` and ``[step where the H2D starts, last_use]``; REMAT ``[produced,
   last_forward_use]`` and ``[first_backward_use, last_use]`` (only the first when the candidate's
-  recomputation is fused into its readers, ``remat_fused``). Where the two intervals touch or
+  recomputation is fused into its readers, ``remat_fused``; neither when its values are
+  temporaries of the loop iterations computing them, ``remat_transient``, which the steps' base
+  holds). Where the two intervals touch or
   overlap, the instance counts once (their union). An OFFLOAD instance with
   ``first_backward_use <= last_forward_use`` moves nothing and stays on device.
 * Memory at step ``t`` = ``max(base_bytes[t] + live instance bytes, floor_bytes[t])`` (live
@@ -85,6 +87,8 @@ class _Arrays:
     last_use: np.ndarray
     #: per instance: its candidate's ``remat_fused``
     remat_fused: np.ndarray  # bool [N]
+    #: per instance: its candidate's ``remat_transient``
+    remat_transient: np.ndarray  # bool [N]
     #: Row ranges of each candidate in the flat arrays.
     starts: np.ndarray  # int64 [C+1]
     key_index: dict[str, int]
@@ -117,6 +121,8 @@ def _arrays(problem: Problem) -> _Arrays:
         fbu=col(lambda r: r[2].first_backward_use),
         last_use=col(lambda r: r[2].last_use),
         remat_fused=np.fromiter((problem.candidates[r[0]].remat_fused for r in rows), dtype=bool, count=len(rows)),
+        remat_transient=np.fromiter((problem.candidates[r[0]].remat_transient for r in rows), dtype=bool,
+                                    count=len(rows)),
         starts=starts,
         key_index={c.key: i for i, c in enumerate(problem.candidates)},
     )
@@ -209,13 +215,16 @@ def _lower_bound_timeline(problem: Problem) -> np.ndarray:
     T = len(a.duration_s)
     movable = np.zeros(len(a.bytes), dtype=bool)
     gone = np.zeros(len(a.bytes), dtype=bool)  # fused remat: off device after the forward pass
+    never = np.zeros(len(a.bytes), dtype=bool)  # transient remat: never counted apart from the base
     for ci, c in enumerate(problem.candidates):
         if c.allowed & {Action.OFFLOAD, Action.REMAT}:
             movable[a.starts[ci] : a.starts[ci + 1]] = True
-        if Action.REMAT in c.allowed and c.remat_fused:
+        if Action.REMAT in c.allowed and (c.remat_fused or c.remat_transient):
             gone[a.starts[ci] : a.starts[ci + 1]] = True
+        if Action.REMAT in c.allowed and c.remat_transient:
+            never[a.starts[ci] : a.starts[ci + 1]] = True
     lo1, lo2 = a.produced, np.maximum(a.fbu, a.lfu + 1)
-    hi1 = np.where(movable, a.lfu, a.last_use)
+    hi1 = np.where(never, -1, np.where(movable, a.lfu, a.last_use))
     hi2 = np.where(movable & ~gone, a.last_use, -1)
     return np.maximum(a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes),
                       a.floor_bytes)
@@ -438,7 +447,8 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
     if len(offl):
         hi1[offl] = np.maximum(a.lfu[offl], d2h_end_step)
         lo2[offl] = h2d_start_step
-    hi2[(code == 2) & a.remat_fused] = -1  # recomputed inside each reader: never stored again
+    hi2[(code == 2) & (a.remat_fused | a.remat_transient)] = -1  # recomputed inside each reader: never stored again
+    hi1[(code == 2) & a.remat_transient] = -1  # a temporary of its iteration, which the base holds
     lo2 = np.maximum(lo2, hi1 + 1)
     timeline = np.maximum(a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes),
                           a.floor_bytes)

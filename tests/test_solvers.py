@@ -108,13 +108,14 @@ def test_long_chainscheck_milp_vs_heuristic(layers, load, frac):
     check_milp_vs_heuristic(layers, load, frac)
 
 
-def queue_free_problem(seed: int, frac: float, fused: bool = False) -> tuple[Problem, int]:
+def queue_free_problem(seed: int, frac: float, fused: bool = False, transient: bool = False) -> tuple[Problem, int]:
     """8 instances in 6 candidates (two hold 2 instances, like a scanned layer), where the MILP's
     model is exact: steps of 1 ms, every copy under 1 ms, one copy out every other forward step
     and one reload every other backward step (no queueing, no duplex), no latency, each buffer
     read once in the forward. Actions allowed at random; budget ``frac`` of the way from the
     least peak to the all-device peak. ``fused``: every other candidate's recomputation is fused
-    into its readers (never stored again)."""
+    into its readers (never stored again); ``transient``: every third candidate's values are
+    temporaries of the steps computing them (never counted under REMAT)."""
     rng = np.random.default_rng(seed)
     n_inst, owners = 8, [0, 0, 1, 1, 2, 3, 4, 5]
     prod = 1 + 2 * np.arange(n_inst)
@@ -130,7 +131,8 @@ def queue_free_problem(seed: int, frac: float, fused: bool = False) -> tuple[Pro
     cands = tuple(
         Candidate(f"c{c}", f"c{c}", f"c{c}", tuple(x for x, o in zip(insts, owners) if o == c),
                   frozenset(kinds[int(rng.integers(0, 3))] | {Action.DEVICE}),
-                  remat_s=float(rng.uniform(0.2e-3, 3e-3)), remat_fused=fused and c % 2 == 0)
+                  remat_s=float(rng.uniform(0.2e-3, 3e-3)), remat_fused=fused and c % 2 == 0,
+                  remat_transient=transient and c % 3 == 1)
         for c in range(6))
     p = Problem(steps, cands, rate, rate, rate, rate, 0.0)
     peak = simulate(p, Decisions.all_device()).peak_bytes
@@ -160,11 +162,31 @@ def test_milp_equals_brute_force(seed, frac):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_milp_equals_brute_force_with_fused_remat(seed):
+@pytest.mark.parametrize("kind", ["fused", "transient"])
+def test_milp_equals_brute_force_with_fused_or_transient_remat(seed, kind):
     """Candidates recomputed inside their readers are off device from their last forward use to
-    their last use: the MILP's model counts them as the simulator does."""
-    p, budget = queue_free_problem(seed, 0.15, fused=True)
+    their last use; temporaries of their iterations are never counted under REMAT: the MILP's
+    model counts them as the simulator does."""
+    p, budget = queue_free_problem(seed, 0.15, fused=kind == "fused", transient=kind == "transient")
     want = brute_force(p, budget)
     r = solve_milp(p, budget_bytes=budget, mip_rel_gap=1e-9)
     assert r.optimal and r.sim.peak_bytes <= budget
     assert r.sim.step_time_s == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["fused", "transient"])
+def test_model_matches_simulator_for_fused_and_transient_remat(kind):
+    p, _ = queue_free_problem(3, 0.5, fused=kind == "fused", transient=kind == "transient")
+    m = Model.build(p)
+    for ci, c in enumerate(p.candidates):
+        if Action.REMAT not in c.allowed:
+            continue
+        ch = np.zeros(len(p.candidates), dtype=np.int64)
+        ch[ci] = REM
+        sim = simulate(p, Decisions({c.key: Action.REMAT}))
+        assert list(sim.timeline_bytes) == m.timeline(ch).tolist(), c.key
+        if kind == "transient" and c.remat_transient:
+            # never counted: the all-device timeline less the candidate's bytes wherever it lived
+            dev = simulate(p, Decisions.all_device()).timeline_bytes
+            for x in c.instances:
+                assert sim.timeline_bytes[x.produced] <= dev[x.produced] - x.bytes

@@ -55,6 +55,7 @@ class Model:
     inst_cand: np.ndarray       # (I,) candidate index of each instance
     inst_bytes: np.ndarray      # (I,) int64
     produced: np.ndarray        # (I,)
+    last_fwd: np.ndarray        # (I,) last forward use
     last_use: np.ndarray        # (I,)
     first_bwd: np.ndarray       # (I,)
     d2h_s: np.ndarray           # (I,)
@@ -109,9 +110,12 @@ class Model:
         reload_start = deadline - h2d_s
         gap1[:, OFF] = np.minimum(np.searchsorted(end, reload_start, side="right"), fbu) - 1
         # REMAT: dead after the last forward use, recomputed at fbu (the simulator's convention);
-        # a candidate recomputed inside its readers (``remat_fused``) is never stored again.
-        fused = np.array([c.remat_fused for c in cands for _ in c.instances], dtype=bool)
-        gap0[:, REM] = lfu + 1
+        # a candidate recomputed inside its readers (``remat_fused``) is never stored again, and
+        # one whose values are temporaries of the loop iterations computing them
+        # (``remat_transient``) is never counted apart from those iterations.
+        fused = np.array([c.remat_fused or c.remat_transient for c in cands for _ in c.instances], dtype=bool)
+        transient = np.array([c.remat_transient for c in cands for _ in c.instances], dtype=bool)
+        gap0[:, REM] = np.where(transient, prod, lfu + 1)
         gap1[:, REM] = np.where(fused, last, fbu - 1)
         window = problem.prefetch_window_steps
         if window is None:
@@ -131,7 +135,7 @@ class Model:
         cand_inst = tuple(np.arange(offsets[ci], offsets[ci + 1]) for ci in range(C))
         return Model(
             problem=problem, n_steps=T, n_cands=C, duration_s=dur, start_s=start, end_s=end,
-            base_bytes=base, dev_bytes=dev, inst_cand=inst_cand, inst_bytes=ib, produced=prod,
+            base_bytes=base, dev_bytes=dev, inst_cand=inst_cand, inst_bytes=ib, produced=prod, last_fwd=lfu,
             last_use=last, first_bwd=fbu, d2h_s=d2h_s, h2d_s=h2d_s, reload_release_s=release,
             reload_deadline_s=deadline, late_s=late, gap0=gap0, gap1=gap1, allowed=allowed, remat_s=remat,
             cand_inst=cand_inst, compute_s=float(dur.sum()),
@@ -223,7 +227,7 @@ class LinkEval:
     def of(m: "Model", choice: np.ndarray) -> "LinkEval":
         act = choice[m.inst_cand]
         k = max(1, m.problem.dma_engines)
-        off = np.nonzero((act == OFF) & (m.gap0[:, REM] <= m.first_bwd - 1))[0]
+        off = np.nonzero((act == OFF) & (m.last_fwd + 1 <= m.first_bwd - 1))[0]
         # Copies out: FIFO in production order.
         order = off[np.argsort(m.produced[off], kind="stable")]
         ready = m.end_s[m.produced[order]]
@@ -263,8 +267,7 @@ class LinkEval:
         diff = np.zeros(m.n_steps + 1, dtype=np.int64)
         if len(off):
             hold = np.searchsorted(m.end_s, d2h_end[off], side="left")
-            lfu = m.gap0[off, REM] - 1
-            g0 = np.maximum(lfu, hold) + 1
+            g0 = np.maximum(m.last_fwd[off], hold) + 1
             g1 = np.minimum(np.searchsorted(m.end_s, plan_start[off], side="right"), m.first_bwd[off]) - 1
             ok = g0 <= g1
             np.add.at(diff, g0[ok], -m.inst_bytes[off][ok])

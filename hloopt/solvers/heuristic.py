@@ -96,7 +96,7 @@ def _insertion(m: Model, ev: LinkEval, p: int) -> tuple[np.ndarray, np.ndarray, 
     plan_end = np.minimum(m.reload_deadline_s, nxt)
     plan_start = plan_end - m.h2d_s
     hold = np.searchsorted(m.end_s, d2h_end, side="left")
-    lfu = m.gap0[:, REM] - 1
+    lfu = m.last_fwd
     g0 = np.maximum(lfu, hold) + 1
     g1 = np.minimum(np.searchsorted(m.end_s, plan_start, side="right"), m.first_bwd) - 1
     covers = (g0 <= p) & (p <= g1)
@@ -136,7 +136,7 @@ def _cover(m: Model, choice: np.ndarray, target: np.ndarray, frozen: np.ndarray,
         # Instances already offloaded: do they free p now?
         if len(ev.off):
             hold = np.searchsorted(m.end_s, ev.d2h_end_s, side="left")
-            g0 = np.maximum(m.gap0[ev.off, REM] - 1, hold) + 1
+            g0 = np.maximum(m.last_fwd[ev.off], hold) + 1
             g1 = np.minimum(np.searchsorted(m.end_s, ev.reload_start_s, side="right"), m.first_bwd[ev.off]) - 1
             ev_cov[ev.off] = (g0 <= p) & (p <= g1)
         off_cov = np.where(off_now, ev_cov, covers)
@@ -212,7 +212,7 @@ def _gaps(m: Model, ev: LinkEval) -> tuple[np.ndarray, np.ndarray]:
     g1 = m.gap1[:, REM].copy()
     if len(ev.off):
         hold = np.searchsorted(m.end_s, ev.d2h_end_s, side="left")
-        g0[ev.off] = np.maximum(m.gap0[ev.off, REM] - 1, hold) + 1
+        g0[ev.off] = np.maximum(m.last_fwd[ev.off], hold) + 1
         g1[ev.off] = np.minimum(np.searchsorted(m.end_s, ev.reload_start_s, side="right"),
                                 m.first_bwd[ev.off]) - 1
     return g0, g1

@@ -179,7 +179,7 @@ def _formulate(m: Model, target: np.ndarray, added: np.ndarray) -> _Formulation:
     nx = len(cols_c)
     xcol = -np.ones((m.n_cands, 3), dtype=np.int64)
     xcol[cols_c, cols_a] = np.arange(nx)
-    lfu = m.gap0[:, REM] - 1
+    lfu = m.last_fwd
     fbu = m.first_bwd
     x_off = xcol[m.inst_cand, OFF]
     x_rem = xcol[m.inst_cand, REM]
@@ -208,7 +208,8 @@ def _formulate(m: Model, target: np.ndarray, added: np.ndarray) -> _Formulation:
         ceiling = (p.d2h_bytes_per_s * _lindley_steps(start_ext, rel, engines)
                    + p.h2d_bytes_per_s * _reload_steps(start_ext, due, engines)[1:])
     rem_end = m.gap1[:, REM] + 1  # fbu, or past the last use where recomputing is fused
-    events = np.concatenate([lfu[movable] + 1, fbu[movable], rem_end[x_rem >= 0], rel_step]).astype(np.int64)
+    events = np.concatenate([lfu[movable] + 1, fbu[movable], m.gap0[x_rem >= 0, REM], rem_end[x_rem >= 0],
+                             rel_step]).astype(np.int64)
     kept = _kept_steps(excess, np.unique(events), ceiling)
     nk = len(kept)
     use_link = len(link) > 0 and nk > 0
@@ -254,9 +255,9 @@ def _formulate(m: Model, target: np.ndarray, added: np.ndarray) -> _Formulation:
         # gap stopped covering since kept[k-1]) = 0. An instance covers kept steps a..b.
         k = np.arange(nk)
         rows, cols, vals = [k, k[1:]], [f0 + k, f0 + k[:-1]], [np.ones(nk), -np.ones(nk - 1)]
-        for xc, g_end in ((x_off, fbu - 1), (x_rem, m.gap1[:, REM])):
-            ok = (xc >= 0) & (lfu + 1 <= g_end)
-            a = np.searchsorted(kept, lfu[ok] + 1, side="left")
+        for xc, g_start, g_end in ((x_off, lfu + 1, fbu - 1), (x_rem, m.gap0[:, REM], m.gap1[:, REM])):
+            ok = (xc >= 0) & (g_start <= g_end)
+            a = np.searchsorted(kept, g_start[ok], side="left")
             b = np.searchsorted(kept, g_end[ok], side="right") - 1
             cover = a <= b
             w = m.inst_bytes[ok][cover] / byte_unit
@@ -349,14 +350,15 @@ def _start_values(m: Model, f: _Formulation, choice: np.ndarray) -> np.ndarray:
     """Column values of ``choice`` with F, Q and W at their least (a start for HiGHS)."""
     x = np.zeros(f.lp.num_col_)
     x[: f.nx] = (choice[f.cols_c] == f.cols_a).astype(float)
-    lfu = m.gap0[:, REM] - 1
+    lfu = m.last_fwd
     act = choice[m.inst_cand]
     off = (act == OFF) | (act == REM)
     nk = len(f.kept)
     if nk:
+        g_start = np.where(act == REM, m.gap0[:, REM], lfu + 1)
         g_end = np.where(act == REM, m.gap1[:, REM], m.first_bwd - 1)
-        ok = off & (lfu + 1 <= g_end)
-        a = np.searchsorted(f.kept, lfu[ok] + 1, side="left")
+        ok = off & (g_start <= g_end)
+        a = np.searchsorted(f.kept, g_start[ok], side="left")
         b = np.searchsorted(f.kept, g_end[ok], side="right")
         diff = np.zeros(nk + 1)
         byte_unit = float(max(int(m.inst_bytes.max(initial=0)), 1))
