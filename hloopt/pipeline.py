@@ -993,6 +993,9 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         plan_obj = build(problem, decisions, result)
     assert best is not None
     modeled, plan_obj, decisions, result, problem = best
+    # the memory model's figure for the planned step, beside the replay's
+    plan_obj = dataclasses.replace(plan_obj, predicted=dataclasses.replace(plan_obj.predicted,
+                                                                            model_peak_bytes=modeled))
     note = None
     if budget_bytes is not None and modeled > budget_bytes:
         from hloopt.units import format_bytes

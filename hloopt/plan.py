@@ -145,6 +145,10 @@ class Predicted:
     exposed_transfer_s: float
     baseline_peak_bytes: int
     baseline_step_time_s: float
+    #: the memory model's peak (``hloopt analyze``'s TPU prediction) of the step lowered with the
+    #: plan's policy, where the pipeline lowered it (budget plans of JAX targets for TPU);
+    #: ``peak_bytes`` is the simulator's replay, the figure every policy is compared by
+    model_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -452,7 +456,9 @@ def _parse_plan(data: Any, origin: str) -> Plan:
     predicted = Predicted(peak_bytes=p.int("peak_bytes"), step_time_s=p.num("step_time_s"),
                           exposed_transfer_s=p.num("exposed_transfer_s"),
                           baseline_peak_bytes=p.int("baseline_peak_bytes"),
-                          baseline_step_time_s=p.num("baseline_step_time_s"))
+                          baseline_step_time_s=p.num("baseline_step_time_s"),
+                          model_peak_bytes=p.int("model_peak_bytes", nullable=True)
+                          if "model_peak_bytes" in p.obj else None)
     b = r.obj_("bounds")
     bounds = Bounds(least_peak_bytes=b.int("least_peak_bytes"), least_step_time_s=b.num("least_step_time_s"))
     s = r.obj_("solver")

@@ -167,6 +167,9 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
         (f", gap {p.solver.gap:.2%}" if p.solver.gap is not None else "") + \
         (f", {p.solver.time_s:.2f} s)" if p.solver.time_s is not None else ")")
     console.print(line)  # type: ignore[attr-defined]
+    if pr.model_peak_bytes is not None:
+        console.print(f"the step lowered with the plan: {format_bytes(pr.model_peak_bytes)} by the memory model "  # type: ignore[attr-defined]
+                      "(hloopt analyze's TPU prediction)", markup=False, highlight=False)
     if o.settle_note:  # type: ignore[attr-defined]
         console.print(f"warning: {o.settle_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
     hint = o.unmovable_line()  # type: ignore[attr-defined]
