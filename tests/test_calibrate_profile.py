@@ -227,9 +227,11 @@ def test_a_profile_fitted_here_predicts_this_machines_step_time(recorded: Path) 
     base = load_profile("h200")
     cal = fit_trace(read_trace(recorded), compiled_module_for(resolve(MLP)), base)
     fitted = trace_calibrated_profile(base, cal)
-    m = measure(MLP, profile=fitted, compile="cpu", steps=7, warmup=2)
+    m = measure(MLP, profile=fitted, compile="cpu", steps=15, warmup=3)
     row = next(r for r in m.rows if r.name == "everything_saveable")
-    ratio = row.predicted_step_time_s / row.measured.median_s
+    # the fastest step: a step of ~100 us on a shared 2-core machine is as often slowed by
+    # other work as not, and the trace the profile was fitted from is of unhindered steps
+    ratio = row.predicted_step_time_s / row.measured.min_s
     assert 1 / 3 < ratio < 3, (row.predicted_step_time_s, row.measured)
     plain = measure(MLP, profile=base, compile="cpu", steps=1, warmup=0, policies="builtin")
     row0 = next(r for r in plain.rows if r.name == "everything_saveable")
