@@ -367,6 +367,7 @@ def jax_shims() -> set[str]:
     import jax
 
     jax_dir = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+    installed = package_folders()
     out: set[str] = set()
     for name in _JAX_NAMESPACES:
         mod = sys.modules.get(name)
@@ -376,7 +377,7 @@ def jax_shims() -> set[str]:
             if not isinstance(file, str) or file.startswith("<"):
                 continue
             file = os.path.abspath(file)
-            if not file.startswith(jax_dir) and file.startswith(package_folders()):
+            if not file.startswith(jax_dir) and file.startswith(installed):
                 out.add(file)
     return out
 

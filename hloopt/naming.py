@@ -239,10 +239,10 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
     if unnamed:
         for n in [n for n in names if n not in {name for _, name in probe_named}]:
             single = find_residuals(lower_module(target, policy=offload_all_policy([n]), platform=platform))
-            diff = single if policy is None else find_residuals(
-                lower_module(target, policy=offload_policy([n], base=policy), platform=platform))
             # look-alikes (two names called on one line, the same shape) go one to each name
-            moved = _moved_by(baseline, diff, taken=frozenset(names_for))
+            others = frozenset(names_for)
+            moved = (_moved_by(baseline, single, taken=others) if policy is None else
+                     moved_by_name(target, n, baseline, policy=policy, platform=platform, taken=others))
             for inst_name in moved:
                 names_for.setdefault(inst_name, n)
             # a name whose moves the comparison found is settled; another's values (it moves
@@ -278,6 +278,14 @@ def name_residuals(target: Any, *, baseline: ResidualSet | None = None, policy: 
             matched = frozenset(names_for)  # the same producing op, line and shape
     return NameProbe(residuals=baseline.with_names(names_for), sites=tuple(sites), values=tuple(values),
                      ambiguous=tuple(ambiguous), diffed=matched)
+
+
+def moved_by_name(target: Any, name: str, baseline: ResidualSet, *, policy: Any, platform: str,
+                  taken: frozenset[str] = frozenset()) -> list[str]:
+    """Residuals of ``baseline`` (``target`` lowered with ``policy``) that lowering it with
+    ``name`` alone offloaded, everything else as ``policy`` decides, moves (:func:`_moved_by`)."""
+    single = find_residuals(lower_module(target, policy=offload_policy([name], base=policy), platform=platform))
+    return _moved_by(baseline, single, taken=taken)
 
 
 def _moved_by(baseline: ResidualSet, single: ResidualSet, taken: frozenset[str] = frozenset()) -> list[str]:

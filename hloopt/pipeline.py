@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -837,6 +838,11 @@ def analyze_target(tgt: Any, profile: DeviceProfile, *, platform: str | None = N
     return an, problem
 
 
+#: the memory model's peak of a target lowered with nothing saved, per live Target (plan and
+#: config_only_plan both ask for the same step)
+_nothing_saved: dict[int, tuple[weakref.ref[Any], int]] = {}
+
+
 def loop_remat_on_the_model(tgt: Any, problem: Problem) -> Problem:
     """Where the memory model says so, a scanned layer's recomputed values are temporaries of the
     loop iterations that compute them, not buffers counted on top of those iterations.
@@ -864,8 +870,13 @@ def loop_remat_on_the_model(tgt: Any, problem: Problem) -> Problem:
     loop = {c.key for c in problem.candidates if c.in_loop and Action.REMAT in c.allowed}
     if not loop:
         return problem
-    text = lower(tgt, platform="tpu", policy=jax.checkpoint_policies.nothing_saveable).hlo_text
-    modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (nothing saved)"), platform="tpu").peak_bytes)
+    hit = _nothing_saved.get(id(tgt))
+    if hit is not None and hit[0]() is tgt:
+        modeled = hit[1]
+    else:
+        text = lower(tgt, platform="tpu", policy=jax.checkpoint_policies.nothing_saveable).hlo_text
+        modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (nothing saved)"), platform="tpu").peak_bytes)
+        _nothing_saved[id(tgt)] = (weakref.ref(tgt), modeled)
     inside = dataclasses.replace(problem, candidates=tuple(
         dataclasses.replace(c, remat_transient=True) if c.key in loop else c for c in problem.candidates))
     every = Decisions({c.key: Action.REMAT for c in inside.candidates if Action.REMAT in c.allowed})
@@ -1221,17 +1232,16 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
             names[inst_name] = name
     # A nameless marker takes a name only if offloading that name alone moves it (the probe's
     # shape match can pick a look-alike: a roped query where the projection is no residual).
+    used = set(names.values())
     guesses = {name for inst_name, name in probed.items()
-               if inst_name in nameless and inst_name not in probe.diffed and name not in set(names.values())}
-    diffed = {i: n for i, n in probed.items() if i in nameless and i in probe.diffed and n not in taken}
-    names.update(diffed)
+               if inst_name in nameless and inst_name not in probe.diffed and name not in used}
+    names.update({i: n for i, n in probed.items() if i in nameless and i in probe.diffed and n not in taken})
     if guesses:
-        from hloopt.naming import _moved_by, lower_module, offload_policy
+        from hloopt.naming import moved_by_name
 
-        baseline = probe.residuals
         for name in sorted(guesses):
-            single = find_residuals(lower_module(tgt, policy=offload_policy([name], base=everything), platform=plat))
-            for inst_name in _moved_by(baseline, single, taken=frozenset(names)):
+            for inst_name in moved_by_name(tgt, name, probe.residuals, policy=everything, platform=plat,
+                                           taken=frozenset(names)):
                 if inst_name in nameless and inst_name not in names:
                     names[inst_name] = name
     return ResidualNames(names, checkpoint_inputs=input_names(probe.sites))

@@ -57,24 +57,36 @@ def test_an_equinox_model_is_located_at_its_own_lines_not_equinox() -> None:
     assert dots and {module.source_of(d) for d in dots} == {(here, line)}
 
 
-def test_a_library_models_ops_are_located_in_the_library_by_package_path(tmp_path, monkeypatch) -> None:
-    """An installed model library (here a small one written to a site-packages folder) locates
-    its ops at its own layer code, written by package path, even where JAX's own rule skips
-    everything installed (an interpreter whose site-packages lies inside the standard library's
-    folder, as without a virtualenv)."""
+LAYERS = "import jax.numpy as jnp\n\n\ndef layer(x, w):\n    return jnp.tanh(x @ w)  # library line 5\n"
+
+
+def _lower_through_installed_library(tmp_path, monkeypatch, package: str, files: dict[str, str],
+                                     patch=None):  # type: ignore[no-untyped-def]
+    """Write ``package`` (``files``, with ``layers.py``) to a site-packages folder that JAX's own
+    rule skips (as an interpreter whose site-packages lies inside the standard library's folder,
+    without a virtualenv), lower a step through its ``layer`` for TPU (``patch(modules)`` first,
+    given the imported modules by file stem), and parse the module."""
+    import importlib
+
     from jax._src import source_info_util as siu
 
+    from hloopt.hlo.parser import parse_module
+
     site = tmp_path / "site-packages"
-    (site / "modellib").mkdir(parents=True)
-    (site / "modellib" / "__init__.py").write_text("")
-    (site / "modellib" / "layers.py").write_text(
-        "import jax.numpy as jnp\n\n\ndef layer(x, w):\n    return jnp.tanh(x @ w)  # library line 5\n")
+    (site / package).mkdir(parents=True)
+    (site / package / "__init__.py").write_text("")
+    for name, text in files.items():
+        (site / package / name).write_text(text)
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(siu, "_exclude_paths", [*siu._exclude_paths, str(site) + os.sep])
     siu._exclude_path_regex.cache_clear()
     siu.is_user_filename.cache_clear()
+    stems = [name[:-3] for name in files]
     try:
-        import modellib.layers as layers
+        modules = {stem: importlib.import_module(f"{package}.{stem}") for stem in stems}
+        if patch is not None:
+            patch(modules)
+        layers = modules["layers"]
 
         def step(x, w):
             return jax.grad(lambda w: jnp.sum(layers.layer(x, w)))(w)
@@ -85,54 +97,35 @@ def test_a_library_models_ops_are_located_in_the_library_by_package_path(tmp_pat
     finally:
         siu._exclude_path_regex.cache_clear()
         siu.is_user_filename.cache_clear()
-        sys.modules.pop("modellib.layers", None)
-        sys.modules.pop("modellib", None)
-    from hloopt.hlo.parser import parse_module
+        for name in [*(f"{package}.{stem}" for stem in stems), package]:
+            sys.modules.pop(name, None)
+    return parse_module(text)
 
-    module = parse_module(text)
-    dots = [i for c in module.computations.values() for i in c.instructions if i.opcode == "dot"]
-    assert dots and {module.source_of(d) for d in dots} == {("modellib/layers.py", 5)}
+
+def _sources(module, opcode: str):  # type: ignore[no-untyped-def]
+    found = [i for c in module.computations.values() for i in c.instructions if i.opcode == opcode]
+    assert found, opcode
+    return {module.source_of(i) for i in found}
+
+
+def test_a_library_models_ops_are_located_in_the_library_by_package_path(tmp_path, monkeypatch) -> None:
+    """An installed model library (here a small one written to a site-packages folder) locates
+    its ops at its own layer code, written by package path, even where JAX's own rule skips
+    everything installed (an interpreter whose site-packages lies inside the standard library's
+    folder, as without a virtualenv)."""
+    module = _lower_through_installed_library(tmp_path, monkeypatch, "modellib", {"layers.py": LAYERS})
+    assert _sources(module, "dot") == {("modellib/layers.py", 5)}
 
 
 def test_a_librarys_replacement_of_a_jax_function_is_not_the_models_line(tmp_path, monkeypatch) -> None:
     """A library that replaces a JAX function at import (MaxText wraps
     ``jax.lax.with_sharding_constraint``) is plumbing: the ops that function emits are located at
     the layer that called it, not in the replacement's file, though both are the library's."""
-    from jax._src import source_info_util as siu
-
-    site = tmp_path / "site-packages"
-    (site / "shimlib").mkdir(parents=True)
-    (site / "shimlib" / "__init__.py").write_text("")
-    (site / "shimlib" / "patch.py").write_text(
-        "import jax.numpy as jnp\n\n_orig = jnp.tanh\n\n\ndef tanh(x):\n    return _orig(x)  # patch line 7\n")
-    (site / "shimlib" / "layers.py").write_text(
-        "import jax.numpy as jnp\n\n\ndef layer(x, w):\n    return jnp.tanh(x @ w)  # library line 5\n")
-    monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(siu, "_exclude_paths", [*siu._exclude_paths, str(site) + os.sep])
-    siu._exclude_path_regex.cache_clear()
-    siu.is_user_filename.cache_clear()
-    try:
-        import shimlib.layers as layers
-        import shimlib.patch as patch
-
-        monkeypatch.setattr(jnp, "tanh", patch.tanh)
-
-        def step(x, w):
-            return jax.grad(lambda w: jnp.sum(layers.layer(x, w)))(w)
-
-        step.__globals__["layers"] = layers
-        s = jax.ShapeDtypeStruct((8, 8), jnp.float32)
-        text = lower(step, s, s, platform="tpu").hlo_text
-    finally:
-        siu._exclude_path_regex.cache_clear()
-        siu.is_user_filename.cache_clear()
-        for name in ("shimlib.layers", "shimlib.patch", "shimlib"):
-            sys.modules.pop(name, None)
-    from hloopt.hlo.parser import parse_module
-
-    module = parse_module(text)
-    tanhs = [i for c in module.computations.values() for i in c.instructions if i.opcode == "tanh"]
-    assert tanhs and {module.source_of(t) for t in tanhs} == {("shimlib/layers.py", 5)}
+    patch_py = "import jax.numpy as jnp\n\n_orig = jnp.tanh\n\n\ndef tanh(x):\n    return _orig(x)  # patch line 7\n"
+    module = _lower_through_installed_library(
+        tmp_path, monkeypatch, "shimlib", {"patch.py": patch_py, "layers.py": LAYERS},
+        patch=lambda modules: monkeypatch.setattr(jnp, "tanh", modules["patch"].tanh))
+    assert _sources(module, "tanh") == {("shimlib/layers.py", 5)}
 
 
 def test_call_sites_and_hlo_locations_compare_by_package_path() -> None:
