@@ -14,7 +14,6 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name
-from test_plan import make_plan, named
 
 import hloopt
 from hloopt import emit
@@ -26,6 +25,7 @@ from hloopt.lowering import lower
 from hloopt.plan import Decision, Selector
 from hloopt.targets import resolve
 from hloopt.verify import offload_annotations
+from tests.test_plan import make_plan, named
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = "fixtures/zoo/llama.py:tiny"

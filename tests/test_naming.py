@@ -10,7 +10,7 @@ hloopt attributes to each checkpoint_name in the pre-optimization HLO equal the 
   HLO side sees one ``[L, ...]`` stack per name, and L x per-layer bytes must equal the sum over
   the unrolled layers.
 * Unnamed residuals (loss internals: ``exp``, ``abs``, ``ge`` of the cross-entropy; gather indices
-  from the batch) are compared in tests/test_residuals.py by structure, not by name; JAX also lists
+  from the batch) are compared in tests/passes/test_residuals.py by structure, not by name; JAX also lists
   arguments (``from the argument params[...]``), which hloopt counts as static inputs.
 * ``mlpwo`` (llama) is named but never a residual: the backward pass of the last matmul of a layer
   does not read its output, so neither JAX nor the HLO saves it.

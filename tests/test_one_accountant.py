@@ -5,7 +5,7 @@ computes (hloopt/pipeline.py, "One accountant"): replaying "everything on device
 analyze's TPU prediction of the same module byte for byte, on every zoo step, whether it comes
 from the HLO snapshots (lowered with their own policy) or is lowered with every residual saved as
 the planner lowers it. analyze's figure is itself checked against libtpu's
-``peak_memory_in_bytes`` (tests/test_preopt_accuracy.py, tests/test_memory_accuracy.py).
+``peak_memory_in_bytes`` (tests/passes/test_preopt_accuracy.py, tests/passes/test_memory_accuracy.py).
 """
 
 from __future__ import annotations

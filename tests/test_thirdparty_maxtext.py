@@ -26,9 +26,9 @@ pytest.importorskip("maxtext", reason="MaxText is a Python >= 3.12 target: "
                     "pip install -r fixtures/thirdparty/requirements-py312.txt")
 
 import yaml  # noqa: E402
-from test_plan import make_plan, named  # noqa: E402
 
 from hloopt import emit  # noqa: E402
+from tests.test_plan import make_plan, named  # noqa: E402
 
 if str(THIRDPARTY) not in sys.path:
     sys.path.insert(0, str(THIRDPARTY))

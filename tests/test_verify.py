@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_plan import make_plan
 
 from hloopt.cli import cli
 from hloopt.errors import UserError
@@ -15,6 +14,7 @@ from hloopt.hlo.parser import parse_module
 from hloopt.plan import Budget, Decision, Selector
 from hloopt.targets import resolve
 from hloopt.verify import offload_annotations, verify
+from tests.test_plan import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = "fixtures/zoo/llama.py:tiny"

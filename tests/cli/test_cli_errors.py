@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from hloopt.cli import COMMANDS, cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HLO = "fixtures/hlo/zoo/mlp.tpu.hlo"
 HLO_OFFLOAD = "fixtures/hlo/zoo/mlp.offload.tpu.hlo"
 MALFORMED = "HloModule m\n\nENTRY e {\n  p = f32[2] parameter(0)\n  ROOT r = f32[2] add(p, q)\n}\n"

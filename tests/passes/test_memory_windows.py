@@ -19,7 +19,7 @@ from hloopt.passes.memory import (
     prefetch_windows,
 )
 
-ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 
 # two layers whose bias adds and residual adds are elementwise (fused away into their readers),
 # a loop over a stacked weight, and an optimizer update that reads its moment (both outputs)

@@ -13,7 +13,7 @@ from hloopt.hlo.parser import parse_file, parse_module
 from hloopt.passes.cost import CostAnalysis
 from hloopt.passes.loops import trip_count
 
-ZOO = Path(__file__).resolve().parent.parent / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 MODELS = ("mlp", "gpt2", "llama", "convnet", "sharded")
 V5E = load_profile("tpu-v5e")
 
@@ -257,7 +257,7 @@ def test_pre_optimization_module_matches_jax_lowered_cost_analysis(model):
     import importlib
     import sys
 
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     if root not in sys.path:
         sys.path.insert(0, root)
     import hloopt.lowering  # noqa: F401  (sets the host device count before jax starts)

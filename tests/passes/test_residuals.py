@@ -12,7 +12,7 @@ import pytest
 from hloopt.hlo.parser import parse_file, parse_module
 from hloopt.passes.residuals import find_residuals, group_by_selector
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "fixtures" / "hlo" / "zoo"
 
 # loss = sum(relu(x @ w)^2); backward by hand: dr = 2 r (the seed 1.0 folded into the constant 2),

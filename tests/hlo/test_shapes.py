@@ -10,7 +10,7 @@ import pytest
 
 from hloopt.hlo.parser import parse_file, parse_shape
 
-ZOO = Path(__file__).resolve().parent.parent / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 
 
 @pytest.mark.parametrize("text,expected_bytes", [

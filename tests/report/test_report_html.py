@@ -18,7 +18,7 @@ from hloopt.report import LiveBuffer, ReportData, ResidualRow, Transfer, mesh_of
 from hloopt.report.adapt import report_data_from_memory
 from hloopt.report.html import MAX_POINTS, downsample, render_html
 
-ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 MiB = 2**20
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 CHROMEDRIVER = shutil.which("chromedriver")

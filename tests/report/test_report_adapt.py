@@ -23,7 +23,7 @@ from hloopt.report import ReportData
 from hloopt.report.adapt import memory_category_timeline, report_data_from_memory, report_data_from_outcome
 from hloopt.report.html import render_html
 
-ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 V5E = load_profile("tpu-v5e")
 
 

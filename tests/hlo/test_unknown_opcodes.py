@@ -21,7 +21,7 @@ from hloopt.hlo.parser import parse_module
 from hloopt.hlo.printer import print_module
 from hloopt.passes.cost import CostAnalysis
 
-DROPOUT = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "dropout"
+DROPOUT = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "dropout"
 
 MULHI = """HloModule unknown_ops, entry_computation_layout={(u32[1024]{0}, u32[1024]{0})->u32[1024]{0}}
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from hloopt.cli import cli
 
-ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 
 
 def run_json(*args: str) -> dict:  # type: ignore[type-arg]

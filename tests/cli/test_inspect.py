@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from hloopt.cli import cli
 
-ZOO = Path(__file__).resolve().parent.parent / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 
 MODULE = """HloModule offload_demo, is_scheduled=true, num_partitions=2, entry_computation_layout={(f32[8,128]{1,0:T(8,128)}, f32[3,5]{1,0:T(8,128)S(5)})->f32[8,128]{1,0:T(8,128)}}
 

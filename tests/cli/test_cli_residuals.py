@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from hloopt.cli import cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "fixtures" / "hlo" / "zoo"
 KEYS = {"name", "shape", "bytes", "layers", "selectable_by", "source", "key", "producer", "forward_interval",
         "first_backward_use", "offloaded", "peak_share"}

@@ -6,9 +6,9 @@ import io
 
 import pytest
 from rich.console import Console
-from test_report_html import small
 
 from hloopt.report.terminal import bar, make_console, print_report, progress, residuals_table, sparkline
+from tests.report.test_report_html import small
 
 
 def render(fn, *, width: int = 100) -> str:

@@ -23,7 +23,7 @@ from hloopt.ir import Shape
 from hloopt.passes import AnalysisManager
 from hloopt.passes.fusion_model import TpuFusion, parse_sharding, shard_dims, tpu_compact_bytes
 
-ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 STEMS = [m + v for m in ("mlp", "convnet", "gpt2", "llama", "sharded") for v in ("", ".offload")]
 
 #: measured error of the predicted peak vs libtpu's peak (libtpu 0.0.42, jax 0.10.2), > 10%.
@@ -518,7 +518,7 @@ def test_predicted_host_bytes_match_libtpu(model: str) -> None:
     a scan's per-layer residual goes straight into a stack the loop carries in host memory (llama:
     4 stacks of f32[2,2,32,64]). The prediction equals ``host_temp_size_in_bytes`` for four
     models; for sharded it equals libtpu's host allocation (4 stacks of 32 KiB), which its
-    ``memory_analysis()`` over-reports (tests/test_memory_accuracy.py)."""
+    ``memory_analysis()`` over-reports (tests/passes/test_memory_accuracy.py)."""
     stem = f"{model}.offload"
     predicted = analyze(ZOO / f"{stem}.tpu.hlo", platform="tpu").profile.host_bytes
     compiled = analyze(ZOO / f"{stem}.tpu-v5e.hlo").profile.host_bytes

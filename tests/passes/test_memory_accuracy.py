@@ -10,7 +10,7 @@
   its peak, within 2% of XLA's figure for that moment. XLA chooses that moment with a size rule of
   its own (``ComputePeakMemoryMoment`` sizes every value by its instruction's whole shape), so our
   own maximum may lie elsewhere and be higher; it may never be lower.
-* Pre-optimization HLO lowered for TPU: see tests/test_preopt_accuracy.py.
+* Pre-optimization HLO lowered for TPU: see tests/passes/test_preopt_accuracy.py.
 
 Models where the model of XLA's counting is not yet good enough are ``xfail(strict=True)`` with
 the measured error in the reason, so a fix shows up as an XPASS failure to update here.
@@ -26,7 +26,7 @@ import pytest
 
 from hloopt.analysis import analyze
 
-ZOO = Path(__file__).resolve().parents[1] / "fixtures" / "hlo" / "zoo"
+ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 MODELS = ("mlp", "convnet", "gpt2", "llama", "sharded")
 
 #: measured relative error of our TPU-compiled peak (libtpu 0.0.42, jax 0.10.2), where > 0.5%
