@@ -26,9 +26,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hloopt.errors import UserError
-from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module
+from hloopt.ir import Instruction, Module
 from hloopt.passes import AnalysisManager
-from hloopt.passes.fusion_model import host_stack_updates
 from hloopt.passes.liveness import Liveness
 from hloopt.passes.memory import MemoryProfile, PeakMemory
 from hloopt.passes.residuals import is_host_annotation
@@ -100,7 +99,7 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
                 "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": False,
                 "code_bytes": code_bytes, "reuse_output_allocations": True, "on_chip_heap": True,  # predicted MSA
                 "prefetch_at_offload": True,  # libtpu's schedule of offloads (passes/memory.py)
-                "narrow_stacks": True}  # bf16 scan stacks (passes/fusion_model.py)
+                "narrow_stacks": True}  # bf16 scan stacks (passes/tpu/storage.py)
     return {"kind": "unoptimized", "schedule": schedule or "module", "materialize": "all",
             "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
             "code_bytes": code_bytes, **plain}
@@ -121,31 +120,47 @@ def profile_module(module: Module, *, platform: str | None = None, schedule: str
     return prof, s
 
 
-def prepare_for_profile(module: Module, settings: Mapping[str, Any], *,
-                        am: AnalysisManager | None = None) -> tuple[Module, AnalysisManager]:
+def prepare_for_profile(module: Module, settings: Mapping[str, Any], *, am: AnalysisManager | None = None,
+                        owned: bool = False) -> tuple[Module, AnalysisManager]:
     """The module :func:`peak_memory_pass` counts with ``settings``, and its analysis manager.
 
     A TPU prediction (kind ``tpu-predicted``) counts a new module: ``module`` with its calls
-    inlined (as XLA does before it assigns buffers), TPU's default tiles on its shapes (in place
-    on ``module`` when it has no calls) and its instructions written in the memory-aware list
+    inlined (as XLA does before it assigns buffers), TPU's default tiles on its shapes
+    (:func:`~hloopt.passes.tpu.layout.assign_tpu_layouts`) and its instructions written in the memory-aware list
     schedule's order (:func:`~hloopt.passes.schedule.in_schedule_order`), so that the steps of the
     profile are the module's text order: what the planner builds its steps from
-    (:func:`hloopt.pipeline.analyze_module`). Other kinds count ``module`` itself."""
+    (:func:`hloopt.pipeline.analyze_module`). Other kinds count ``module`` itself. ``owned``: the
+    caller built ``module`` and holds it nowhere else, so it need not be copied again."""
     if settings["kind"] == "tpu-predicted":
         from hloopt.passes.inline import inline_for_assignment
         from hloopt.passes.schedule import Schedule, in_schedule_order
+        from hloopt.passes.tpu.layout import assign_tpu_layouts
 
         inlined = inline_for_assignment(module)  # as XLA does before it assigns buffers (and the planner)
-        if inlined is not module:
-            module, am = inlined, None
-        _apply_tpu_tiling(module)
-        am = None  # shapes changed: analyses cached on the module are stale
+        # a new module (call inlining's copy is not copied again): analyses cached on the old one do not apply
+        module = assign_tpu_layouts(inlined, owned=owned or inlined is not module)
+        am = None
         if settings["schedule"] != "module":
             order = Schedule(kind=settings["schedule"]).run(module, AnalysisManager(module))
             module = in_schedule_order(module, order)
-    elif settings["kind"] == "unoptimized" and _place_annotated_on_host(module):
-        am = None  # shapes changed: analyses cached on the module are stale
+    elif settings["kind"] == "unoptimized":
+        placed = _place_annotated_on_host(module)
+        if placed is not module:
+            module, am = placed, None
     return module, am or AnalysisManager(module)
+
+
+def compiler_model(settings: Mapping[str, Any]) -> Any:
+    """The model of the target compiler's fusion and buffer sizes liveness counts with under
+    ``settings`` (``materialize``): libtpu's (:class:`~hloopt.passes.tpu.TpuFusion`) for a TPU
+    prediction, none where every instruction is a buffer as written (compiled modules)."""
+    if settings["materialize"] == "all":
+        return None
+    if settings["materialize"] == "tpu-fusion":
+        from hloopt.passes.tpu import TpuFusion
+
+        return TpuFusion(narrow_stacks=bool(settings.get("narrow_stacks", False)))
+    raise UserError(f"unknown materialize {settings['materialize']!r}: expected 'all' or 'tpu-fusion'")
 
 
 def peak_memory_pass(settings: Mapping[str, Any], *, top: int = 10, on_chip_bytes: int | None = None,
@@ -154,8 +169,7 @@ def peak_memory_pass(settings: Mapping[str, Any], *, top: int = 10, on_chip_byte
     returns (a TPU prediction's list schedule is that module's text order by then)."""
     s = settings
     schedule = "module" if s["kind"] == "tpu-predicted" else s["schedule"]
-    live = Liveness(schedule=schedule, materialize=s["materialize"], alignment_bytes=s["alignment_bytes"],
-                    narrow_stacks=bool(s.get("narrow_stacks", False)))
+    live = Liveness(schedule=schedule, fusion=compiler_model(s), alignment_bytes=s["alignment_bytes"])
     return PeakMemory(liveness=live, top=top, outputs_whole_program=s["outputs_whole_program"],
                       static_allocations=s["static_allocations"], code_bytes=s["code_bytes"],
                       reuse_output_allocations=s["reuse_output_allocations"],
@@ -266,69 +280,19 @@ def _has_tiles(module: Module) -> bool:
     return False
 
 
-def _apply_tpu_tiling(module: Module) -> None:
-    """Give the layout-less shapes of a pre-optimization module TPU's default tiles (in place),
-    and put what JAX offloads in host memory (``S(5)``) as XLA's host offloader will: a
-    ``pinned_host`` annotation's value, and a dynamic-update-slice that writes one (through
-    reshapes) into a scan's stack, whose loop-state buffer is then host memory
-    (:mod:`hloopt.passes.aliasing`)."""
-    from hloopt.ir import Layout, Shape
+def _place_annotated_on_host(module: Module) -> Module:
+    """``module``, or a new module in which the value of every ``pinned_host`` annotation is in
+    host memory (``S(5)``), as written (for a module analyzed as it is: the annotation's result is
+    a host array)."""
+    from hloopt.passes.inline import with_shapes
+    from hloopt.passes.tpu.layout import in_host_memory
 
-    cache: dict[Shape, Shape] = {}
-
-    def tiled(s: Shape) -> Shape:
-        got = cache.get(s)
-        if got is not None:
-            return got
-        if s.is_tuple:
-            got = Shape("tuple", tuple_shapes=tuple(tiled(x) for x in s.tuple_shapes))
-        elif not s.is_array or (s.layout is not None and s.layout.tiles):
-            got = s
-        else:
-            rank = len(s.dims)
-            m2m = s.layout.minor_to_major if s.layout is not None and s.layout.minor_to_major \
-                else tuple(range(rank - 1, -1, -1))
-            tiles = ((8, 128),) if rank >= 2 else ((128,),)
-            space = s.layout.memory_space if s.layout is not None else 0
-            got = Shape(s.element_type, s.dims, s.dynamic, Layout(m2m, tiles, memory_space=space))
-        cache[s] = got
-        return got
-
-    for inst in module.instructions():
-        inst.shape = tiled(inst.shape)  # keeps the memory space a stack update below was given
-        if is_host_annotation(inst):
-            _to_host(inst)
-            # XLA's host offloader writes the value into a host buffer: a scan's stacked residual
-            # (the loop state these update) is allocated in host memory
-            for update in host_stack_updates(inst)[0]:
-                _to_host(update)
+    host = {inst for inst in module.instructions()
+            if is_host_annotation(inst) and inst.shape.is_array and not inst.shape.on_host}
+    if not host:
+        return module
+    return with_shapes(module, lambda inst: in_host_memory(inst.shape) if inst in host else inst.shape)
 
 
-def _place_annotated_on_host(module: Module) -> bool:
-    """Put the value of every ``pinned_host`` annotation in host memory (``S(5)``), as written
-    (in place; for a module analyzed as it is: the annotation's result is a host array). Returns
-    whether any shape changed."""
-    changed = False
-    for inst in module.instructions():
-        if is_host_annotation(inst) and inst.shape.is_array and not inst.shape.on_host:
-            _to_host(inst)
-            changed = True
-    return changed
-
-
-def _to_host(inst: Instruction) -> None:
-    """Give ``inst``'s array shape host memory space (``S(5)``), keeping its layout (in place)."""
-    from hloopt.ir import Layout, Shape
-
-    shape = inst.shape
-    if not shape.is_array:
-        return
-    lay = shape.layout
-    m2m = lay.minor_to_major if lay is not None else tuple(range(len(shape.dims) - 1, -1, -1))
-    tiles = lay.tiles if lay is not None else ()
-    inst.shape = Shape(shape.element_type, shape.dims, shape.dynamic,
-                       Layout(m2m, tiles, memory_space=HOST_MEMORY_SPACE))
-
-
-__all__ = ["MemoryReport", "analyze", "peak_memory_pass", "prediction_notes", "prepare_for_profile", "profile_module",
-           "settings_for"]
+__all__ = ["MemoryReport", "analyze", "compiler_model", "peak_memory_pass", "prediction_notes", "prepare_for_profile",
+           "profile_module", "settings_for"]

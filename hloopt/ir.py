@@ -50,6 +50,8 @@ ELEMENT_TYPES = frozenset(STORAGE_BITS)
 
 #: Memory space of host memory in XLA layouts (``S(5)``).
 HOST_MEMORY_SPACE = 5
+#: an accelerator's on-chip memory space (TPU VMEM, ``S(1)``), where memory-space assignment places temporaries
+ON_CHIP_MEMORY_SPACE = 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -722,7 +724,7 @@ def parse_string_map(text: str) -> dict[str, str]:
 
 
 __all__ = [
-    "AliasEntry", "Computation", "ELEMENT_TYPES", "HOST_MEMORY_SPACE", "Instruction", "Layout",
+    "AliasEntry", "Computation", "ELEMENT_TYPES", "HOST_MEMORY_SPACE", "Instruction", "ON_CHIP_MEMORY_SPACE", "Layout",
     "LOGICAL_BITS", "Metadata", "Module", "STORAGE_BITS", "Shape", "StackFrame",
     "gc_paused", "parse_metadata", "parse_string_map", "quote", "unquote",
 ]

@@ -107,7 +107,7 @@ class Analyzed:
     #: memory-space assignment, passes/memory.py), which no offload lowers; None when not modeled
     floor_timeline_bytes: list[int] | None = None
     #: instructions the timeline counts no buffer for (XLA fuses them into their readers,
-    #: passes/fusion_model.py, and storage views): their readers read through them
+    #: passes/tpu/fusion.py, and storage views): their readers read through them
     fused: frozenset[Instruction] = frozenset()
     #: the memory profile the timeline is (hloopt analyze's, for a TPU prediction); None when the
     #: timeline is Liveness's own sum (other platforms)
@@ -140,10 +140,10 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
     shapes), by instruction name. Other platforms: Liveness over the module's text order."""
     from hloopt.passes import AnalysisManager
     from hloopt.passes.cost import CostAnalysis
-    from hloopt.passes.fusion_model import TpuFusion
     from hloopt.passes.inline import inline_for_assignment
     from hloopt.passes.liveness import Liveness, storage_views
     from hloopt.passes.residuals import find_residuals
+    from hloopt.passes.tpu import TpuFusion
 
     pre_opt = not module.is_scheduled
     if pre_opt:
@@ -153,12 +153,12 @@ def analyze_module(module: Module, profile: DeviceProfile, *, source: str = "hlo
             return _analyze_tpu_prediction(module, profile, source=source, names=names,
                                            owned=module is not given)
     am = AnalysisManager(module)
-    liveness = Liveness(materialize="tpu-fusion" if pre_opt else "all")
+    liveness = Liveness(fusion=TpuFusion() if pre_opt else None)
     ranges = am.get(liveness)
     timeline = ranges.entry_timeline(ranges.bytes_per_step(memory_space=0))
     fused = storage_views(ranges.steps)
     if pre_opt:
-        fused = fused | am.get(TpuFusion()).fused  # what Liveness(materialize="tpu-fusion") fused
+        fused = fused | am.get(TpuFusion()).fused  # what Liveness(fusion=TpuFusion()) fused
     host = ranges.entry_timeline(ranges.bytes_per_step(memory_space=5))
     cost = CostAnalysis(profile=profile).run(module, am)
     entry = module.entry
@@ -177,16 +177,17 @@ def _analyze_tpu_prediction(module: Module, profile: DeviceProfile, *, source: s
     from hloopt.analysis import peak_memory_pass, prepare_for_profile, settings_for
     from hloopt.passes import AnalysisManager
     from hloopt.passes.cost import CostAnalysis
-    from hloopt.passes.fusion_model import TpuFusion
     from hloopt.passes.liveness import storage_views
     from hloopt.passes.residuals import find_residuals
+    from hloopt.passes.tpu import TpuFusion
 
     # roofline times of the program as lowered (tiling pads what the memory model stores, not
     # what the cost model reads), looked up by name on the module the profile counts
     cost = CostAnalysis(profile=profile).run(module, AnalysisManager(module))
     settings = settings_for(module, platform="tpu")
-    # on a copy: prepare_for_profile tiles an uninlined module's shapes in place
-    module, am = prepare_for_profile(module if owned else _copy(module), settings)
+    # the module the profile counts (calls inlined, tiled, in schedule order); ``owned``: ``module``
+    # is call inlining's copy, which nothing else holds, and is not copied again
+    module, am = prepare_for_profile(module, settings, owned=owned)
     on_chip = profile.on_chip_heap_bytes or None  # analyze's VMEM when the profile does not say
     mem = am.get(peak_memory_pass(settings, on_chip_bytes=on_chip))
     ranges = mem.ranges
@@ -210,12 +211,6 @@ def _analyze_tpu_prediction(module: Module, profile: DeviceProfile, *, source: s
         # temporaries outside the output allocations, whose VMEM side can then be higher)
         floor = [min(f, t) for f, t in zip(ranges.entry_timeline(off.on_chip_timeline_bytes or []), timeline)]
     return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor, fused, mem)
-
-
-def _copy(module: Module) -> Module:
-    from hloopt.passes.inline import reordered
-
-    return reordered(module, {})
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,7 +274,7 @@ def _tuple_element(inst: Instruction) -> Instruction | None:
 def build_problem(an: Analyzed, profile: DeviceProfile, *,
                   prefetch_window_steps: int | None = None) -> tuple[Problem, StepMap]:
     """Turn an analyzed module into the simulator's and solvers' :class:`Problem`."""
-    from hloopt.passes.fusion_model import FUSIBLE
+    from hloopt.passes.opcodes import FUSIBLE
 
     module = an.module
     entry = module.entry
@@ -515,7 +510,7 @@ def _as_counted(an: Analyzed, r: Any, counted: set[int]) -> tuple[int, tuple[int
     takes off what the timeline holds.
 
     The timeline (``Liveness`` on the materialized module) sizes a buffer as stored (TPU tiles,
-    f32 kept bf16, 0 when fused away, passes/fusion_model.py) and keeps it until its last
+    f32 kept bf16, 0 when fused away, passes/tpu/) and keeps it until its last
     materialized reader; the residual analysis sees the HLO's value and its direct users, such as
     the tuple ``jax.checkpoint`` hands its residuals through, or an elementwise op XLA fuses into
     a later reader. Reads here are where the value is read in storage: through tuples, barriers

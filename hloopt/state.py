@@ -78,7 +78,7 @@ def tpu_array_bytes(shape: tuple[int, ...], dtype: Any) -> int:
     size padded to 1024 lanes, while its ``f32[1000]`` bias takes 4096 bytes and a scalar 512."""
     import numpy as np
 
-    from hloopt.passes.fusion_model import tpu_compact_bytes
+    from hloopt.passes.tpu.layout import tpu_compact_bytes
 
     return tpu_compact_bytes(_HLO_TYPES.get(np.dtype(dtype).name, "f32"), tuple(shape))
 

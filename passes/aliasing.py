@@ -54,16 +54,14 @@ from typing import ClassVar
 
 from hloopt.ir import HOST_MEMORY_SPACE, Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
+from hloopt.passes.opcodes import BARRIERS, CONTROL_FLOW
 
 ShapeIndex = tuple[int, ...]
 
 #: opcodes whose whole shape is the operand's storage
-_PASS_THROUGH = frozenset({"bitcast", "opt-barrier", "optimization-barrier", "domain", "add-dependency"})
+_PASS_THROUGH = BARRIERS | {"bitcast", "domain", "add-dependency"}
 #: opcodes updating operand 0 in place
 _IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
-#: control flow whose callees are visited (their instructions hold storage)
-CONTROL_FLOW = frozenset({"while", "conditional", "call"})
-
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Buffer:

@@ -62,29 +62,15 @@ from hloopt.errors import UserError
 from hloopt.ir import Computation, Instruction, Module, Shape
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.loops import trip_count
+from hloopt.passes.opcodes import COLLECTIVES, ELEMENTWISE, TRANSCENDENTAL
 
 __all__ = ["Cost", "InstructionCost", "CostResult", "CostAnalysis", "trip_count", "dot_flops", "convolution_flops",
            "op_class"]
 
-TRANSCENDENTAL = frozenset({
-    "exponential", "exp", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh", "sine", "cosine",
-    "tan", "exponential-minus-one", "log-plus-one", "atan2", "erf",
-})
-ELEMENTWISE = frozenset({
-    "abs", "add", "and", "ceil", "clamp", "compare", "complex", "convert", "count-leading-zeros",
-    "divide", "floor", "imag", "is-finite", "maximum", "minimum", "multiply", "negate", "not", "or",
-    "popcnt", "real", "reduce-precision", "remainder", "round-nearest-afz", "round-nearest-even",
-    "select", "shift-left", "shift-right-arithmetic", "shift-right-logical", "sign", "subtract",
-    "xor", "stochastic-convert", "bitcast-convert",
-}) - {"bitcast-convert"}
 #: Instructions that move no data and take no time.
 FREE = frozenset({
     "parameter", "constant", "get-tuple-element", "bitcast", "after-all", "add-dependency", "domain",
     "partition-id", "replica-id", "opt-barrier", "optimization-barrier",
-})
-COLLECTIVES = frozenset({
-    "all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "reduce-scatter", "all-to-all",
-    "collective-permute", "collective-permute-start", "collective-broadcast", "ragged-all-to-all",
 })
 _CONTROL = frozenset({"while", "call", "conditional", "async-start"})
 _FMA_FLOPS = 2

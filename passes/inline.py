@@ -19,15 +19,15 @@ the shape of its root are unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hloopt.ir import Computation, Instruction, Module, gc_paused
+from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 
 
-def _copy(inst: Instruction, name: str) -> Instruction:
-    new = Instruction(name, inst.opcode, inst.shape)
+def _copy(inst: Instruction, name: str, shape: Shape | None = None) -> Instruction:
+    new = Instruction(name, inst.opcode, inst.shape if shape is None else shape)
     new.attrs = dict(inst.attrs)
     new.literal = inst.literal
     new._metadata_text = inst._metadata_text
@@ -38,10 +38,15 @@ def _copy(inst: Instruction, name: str) -> Instruction:
 
 
 class _Inliner:
-    def __init__(self, module: Module, order: Mapping[Computation, Sequence[Instruction]] | None = None) -> None:
+    def __init__(self, module: Module, order: Mapping[Computation, Sequence[Instruction]] | None = None,
+                 shape_of: Callable[[Instruction], Shape] | None = None, inline: bool = True) -> None:
         self.old = module
         #: per old computation, the order to copy its instructions in (default: text order)
         self.order = order or {}
+        #: the shape each copy takes (default: the original's)
+        self.shape_of = shape_of
+        #: whether calls are inlined (else copied as calls of copied computations)
+        self.inline = inline
         self.new = Module(
             name=module.name, is_scheduled=module.is_scheduled,
             input_output_alias=list(module.input_output_alias), entry_layout=module.entry_layout,
@@ -56,7 +61,7 @@ class _Inliner:
     def _emit(self, comp: Computation, inst: Instruction, env: dict[Instruction, Instruction],
               prefix: str) -> None:
         """Append a copy of ``inst`` (or, for a call, its callee's body) to ``comp``."""
-        callee = inst.callee("to_apply", "calls") if inst.opcode == "call" else None
+        callee = inst.callee("to_apply", "calls") if inst.opcode == "call" and self.inline else None
         if callee is not None:
             inner: dict[Instruction, Instruction] = {}
             params = {p.parameter_number: p for p in callee.instructions if p.opcode == "parameter"}
@@ -68,7 +73,7 @@ class _Inliner:
                 self._emit(comp, ci, inner, f"{prefix}{inst.name}.")
             env[inst] = inner[callee.root]  # type: ignore[index]
             return
-        new = _copy(inst, prefix + inst.name)
+        new = _copy(inst, prefix + inst.name, self.shape_of(inst) if self.shape_of is not None else None)
         new.operands = [env[o] for o in inst.operands]
         if inst.control_predecessors:
             new.control_predecessors = [env[p] for p in inst.control_predecessors if p in env]
@@ -95,7 +100,8 @@ class _Inliner:
         for comp in self.old.computations.values():
             if comp.name not in reachable:
                 continue
-            if comp is not self.old.entry and all(c.opcode == "call" for c in comp.callers) and comp.callers:
+            if self.inline and comp is not self.old.entry and comp.callers \
+                    and all(c.opcode == "call" for c in comp.callers):
                 continue  # only ever inlined
             self.new.computations[comp.name] = self.computation(comp)
         self.new.entry = self.new.computations[self.old.entry.name]  # type: ignore[union-attr]
@@ -159,6 +165,14 @@ def reordered(module: Module, order: Mapping[Computation, Sequence[Instruction]]
         return _Inliner(module, order).run()
 
 
+def with_shapes(module: Module, shape_of: Callable[[Instruction], Shape]) -> Module:
+    """A copy of ``module`` (same computations, same names) in which every instruction has the
+    shape ``shape_of`` gives it. The input is not changed. Transforms that re-type values (TPU
+    layouts, host memory space) build their module with this."""
+    with gc_paused():
+        return _Inliner(module, None, shape_of, inline=False).run()
+
+
 @dataclass(frozen=True)
 class InlineCalls:
     """Transform: inline every ``call`` (returns a new module)."""
@@ -171,14 +185,21 @@ class InlineCalls:
 
 def inline_for_assignment(module: Module) -> Module:
     """What XLA does to calls before it assigns buffers: :func:`inline_calls`, then
-    :func:`forward_tuple_reads` on the new module. ``module`` itself when it has no calls."""
+    :func:`forward_tuple_reads` (on the new module). ``module`` itself when it has no calls."""
     inlined = inline_calls(module)
-    return module if inlined is module else forward_tuple_reads(inlined)
+    return module if inlined is module else _forward_tuple_reads(inlined)
 
 
 def forward_tuple_reads(module: Module) -> Module:
-    """In place: every read of ``get-tuple-element(tuple(a0, ..., an), k)`` reads ``ak`` itself,
-    and tuples and get-tuple-elements left without readers (not roots) are removed.
+    """A copy of ``module`` in which every read of ``get-tuple-element(tuple(...), k)`` reads the
+    element itself (see :func:`_forward_tuple_reads`). The input is not changed."""
+    return _forward_tuple_reads(reordered(module, {}))
+
+
+def _forward_tuple_reads(module: Module) -> Module:
+    """In place, on a module the caller has just built: every read of
+    ``get-tuple-element(tuple(a0, ..., an), k)`` reads ``ak`` itself, and tuples and
+    get-tuple-elements left without readers (not roots) are removed.
 
     XLA's tuple simplification does this after call inlining, so a value an inlined callee
     returned through its root tuple is read directly by its consumers (and can be fused into

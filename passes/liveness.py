@@ -24,10 +24,13 @@ A buffer's live range is the closed interval [start, end] of steps:
                        (a value being read and the value being written are both counted
                         at the step: the no-sharing bound, which XLA's live-range dump uses)
 
-With ``materialize="tpu-fusion"`` (pre-optimization modules), instructions XLA will fuse into
-their consumers (elementwise chains, broadcasts, converts, reshapes...; see
-:mod:`hloopt.passes.fusion_model`) hold no buffer: their readers read the fused instruction's inputs instead,
-so the inputs live until the last reader of anything fused from them.
+A pre-optimization module has no fusions and no layouts. Given a model of what the target compiler
+will make of it (``fusion``: an analysis whose result is a :class:`Materialization`, such as the
+TPU compiler model's ``hloopt.passes.tpu.TpuFusion()``), instructions the model fuses into their
+consumers hold no buffer: their readers read the fused instruction's inputs instead, so the inputs
+live until the last reader of anything fused from them; and each buffer takes the bytes the model
+gives it (tiled, per device, in its storage type). Liveness knows nothing of any compiler: without
+a model every instruction materializes at its shape's size.
 
 Invariants: start <= end for every buffer; a buffer is live at every step between the definition
 and each use of each of its positions; the flat sequence contains each instruction of every
@@ -38,20 +41,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import ClassVar, Iterator
+from typing import Any, ClassVar, Iterator, Protocol
 
-from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
+from hloopt.ir import Computation, Instruction, Module, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
-from hloopt.passes.aliasing import CONTROL_FLOW, Aliasing, Buffer, BufferAliasing
-from hloopt.passes.fusion_model import TpuFusion
+from hloopt.passes.aliasing import Aliasing, Buffer, BufferAliasing
+from hloopt.passes.opcodes import BARRIERS, CONTROL_FLOW, TUPLE_OPS
 from hloopt.passes.schedule import Schedule
 
-MATERIALIZE: tuple[str, ...] = ("all", "tpu-fusion")
+
+class Materialization(Protocol):
+    """What a compiler model says of a pre-optimization module (the result of ``Liveness.fusion``)."""
+
+    #: instructions that hold no buffer (fused into their readers)
+    fused: frozenset[Instruction]
+
+    def buffer_bytes(self, buffer: Buffer) -> int:
+        """Bytes the compiler gives ``buffer`` (its layout, shard and storage type)."""
+        ...
 
 #: readers that only forward storage: their own positions are in the same buffer and carry the
 #: range on through their readers, so they do not read the operand themselves
-FORWARDS = frozenset({"get-tuple-element", "tuple", "bitcast", "opt-barrier", "optimization-barrier",
-                      "domain", "while", "conditional", "call"})
+FORWARDS = TUPLE_OPS | BARRIERS | CONTROL_FLOW | {"bitcast", "domain"}
 
 
 
@@ -135,13 +146,12 @@ class Liveness(Analysis[LiveRanges]):
     name: ClassVar[str] = "liveness"
     #: "module" (text order = the schedule of a scheduled module) or "list" (memory-aware)
     schedule: str = "module"
-    #: "all": every buffer is materialized; "tpu-fusion": model XLA's fusion of cheap ops
-    materialize: str = "all"
+    #: the target compiler's model of fusion and buffer sizes (an analysis whose result is a
+    #: :class:`Materialization`); None: every instruction materializes at its shape's size
+    fusion: Analysis[Any] | None = None
     #: round every buffer up to this many bytes (TPU allocates HBM in 512-byte units: an index
     #: table of a few pointers takes 512 bytes); 0 = exact sizes
     alignment_bytes: int = 0
-    #: with "tpu-fusion": count a scan's stacks libtpu stores as bf16 so (TpuFusion.narrow_stacks)
-    narrow_stacks: bool = False
 
     def run(self, module: Module, am: AnalysisManager) -> LiveRanges:
         with gc_paused():
@@ -150,8 +160,6 @@ class Liveness(Analysis[LiveRanges]):
     def _run(self, module: Module, am: AnalysisManager) -> LiveRanges:
         from hloopt.errors import UserError
 
-        if self.materialize not in MATERIALIZE:
-            raise UserError(f"unknown materialize {self.materialize!r}: expected one of {', '.join(MATERIALIZE)}")
         aliasing = am.get(BufferAliasing())
         sched = am.get(Schedule(kind=self.schedule))
         entry = module.entry
@@ -184,8 +192,7 @@ class Liveness(Analysis[LiveRanges]):
         time = {inst: t for t, inst in enumerate(steps)}
         last = len(steps) - 1
 
-        # passes/fusion_model.py
-        plan = am.get(TpuFusion(narrow_stacks=self.narrow_stacks)) if self.materialize == "tpu-fusion" else None
+        plan: Materialization | None = am.get(self.fusion) if self.fusion is not None else None
         fused = plan.fused if plan is not None else frozenset()
         fused = fused | storage_views(steps)
         # Last step reading each instruction; a fused-away reader reads on behalf of its readers.
@@ -247,29 +254,4 @@ def storage_views(steps: list[Instruction]) -> frozenset[Instruction]:
     return frozenset(i for i in steps if i.opcode == "custom-call" and i.custom_call_target in _VIEW_TARGETS)
 
 
-def tpu_tiled_bytes(shape: Shape) -> int:
-    """Bytes of an array in TPU's default tiled layout: (8, 128) tiles on the two minor dims.
-
-    A pre-optimization module has no layouts; TPU pads the minor dimension to 128 elements and
-    the second-minor to 8 (rank >= 2), rank <= 1 arrays to 128 elements, with 512-byte minimum
-    allocations. Sub-32-bit types pack rows ((8,128)(2,1) tiles), which keeps the (8,128) padding.
-    """
-    if shape.is_tuple:
-        return 8 * len(shape.tuple_shapes)
-    from hloopt.ir import STORAGE_BITS
-
-    bits = STORAGE_BITS.get(shape.element_type, 32)
-    if bits == 0:
-        return 0
-    dims = [max(d, 0) for d in shape.dims]
-    if len(dims) >= 2:
-        major = 1
-        for d in dims[:-2]:
-            major *= d
-        n = major * (-(-dims[-2] // 8) * 8) * (-(-dims[-1] // 128) * 128)
-    else:
-        n = -(-(dims[0] if dims else 1) // 128) * 128
-    return max(512, (n * bits + 7) // 8)
-
-
-__all__ = ["LiveRange", "LiveRanges", "Liveness", "MATERIALIZE", "storage_views", "tpu_tiled_bytes"]
+__all__ = ["LiveRange", "LiveRanges", "Liveness", "Materialization", "storage_views"]

@@ -24,31 +24,11 @@ How XLA counts, and the switches that reproduce it (measured on the zoo, see tes
   resident total.
 
 Memory-space assignment, predicted (``on_chip_heap`` on a module without ``S(1)`` buffers, i.e.
-pre-optimization; ``on_chip_bytes`` the VMEM libtpu's memory-space assignment (MSA) may fill):
-MSA moves temporaries into VMEM and prefetches the parameters the steps read. Per step ``t``,
-with ``mov(t)`` the live temporaries of at most ``on_chip_bytes`` each, ``pre(t)`` the
-parameters whose prefetched copy is live and ``hbm(t)`` everything else:
-
-    HBM heap(t)   = hbm(t) + mov(t) - packed(t)       (what does not fit spills)
-    VMEM heap(t)  = min(on_chip_bytes, mov(t) + out(t) + pre(t))
-    timeline(t)   = fixed + max(HBM heap(t), VMEM heap(t))
-
-with ``packed(t)`` the bytes of the live movable temporaries a largest-first placement of whole
-buffers fits into ``on_chip_bytes`` (all of them when they fit), ``out(t)`` the live temporaries
-XLA's buffer assigner puts inside output allocations (free in HBM, still S(1) values in VMEM:
-the gradient accumulators a scan carries, its stacked residuals), and a parameter's prefetched
-copy live from the compute step before its first reader to its last reader: one copy per
-parameter, kept in between (libtpu keeps a layer's f32 weights in VMEM from the forward's bf16
-cast to the optimizer update). A reader is a materialized step; a step that reads a module output
-(same dims) joins that output's multi-output fusion and reads its parameters from the fusion's
-first step (the optimizer's moment and parameter updates are one fusion); a loop reads the
-parameters it carries from its first step. In VMEM a convolution's result and the pooling
-windows over it are laid out with batch and feature minor, in the order that pads less
-(:func:`~hloopt.passes.fusion_model.activation_minor_dims`:
-``f32[4,16,16,8]{3,0,2,1:T(4,128)S(1)}`` is 512 KiB where the compact HBM layout takes 32 KiB;
-``f32[16,16,16,8]{0,3,2,1:T(8,128)S(1)}`` puts the batch on the lanes), so ``mov(t)`` counts
-them at that size (:func:`activation_minor_sizes`); HBM keeps them compact.
-The peak is fixed + max(HBM heap, VMEM heap), libtpu's accounting.
+pre-optimization; ``on_chip_bytes`` the VMEM libtpu's memory-space assignment may fill): the TPU
+compiler model's :mod:`hloopt.passes.tpu.msa` gives both sides of libtpu's accounting per step
+(HBM heap with what does not fit VMEM spilled; VMEM heap of the packed temporaries, the
+temporaries inside output allocations and the prefetched parameters), and the timeline is
+``fixed + max(HBM heap, VMEM heap)``, libtpu's accounting.
 
 Offloads (``prefetch_at_offload``): libtpu starts copying an offloaded value back to the device
 right after it has copied it to the host, wherever the backward pass reads it: in its compiled
@@ -61,27 +41,16 @@ annotation on (:func:`~hloopt.passes.residuals.offloaded_source`): an offload ou
 saves no HBM under libtpu. A scan's stacked residual (the stack in host memory, one slice read
 back per backward iteration) is not affected. And libtpu lands every copy from host memory in HBM,
 never in VMEM (all 94 host->device ``copy-start``/``dynamic-slice-start`` of the compiled zoo,
-tiny and small): such a device copy (``hbm_pinned`` in :func:`msa_sides`) is no VMEM relief for
-HBM; MSA prefetches it on into VMEM for its readers, so from the compute step before its first
-reader to its last one it takes that much of ``on_chip_bytes`` away from the temporaries packed
-there. Convnet small with its offload policy: -20.5% -> -5.3% of libtpu's peak; other convnet
-shapes over VMEM improve 2-7 points and stay 15-26% under (libtpu's schedule runs the previous
-stage's backward tail alongside, ``bench/small_shapes.py``).
-
-Measured against libtpu 0.0.42 (v5e; tests/test_preopt_accuracy.py): at size small, the VMEM
-heap libtpu reports is 101-112 MiB whenever the step's working set exceeds VMEM (mlp, gpt2;
-convnet's is exactly 112 MiB), all within 1.2%; at size tiny, where VMEM holds the whole working
-set, the VMEM heap (libtpu's dumps: the S(1) values live at the peak, within 16 KiB) is predicted
-within 8% for mlp, gpt2 and llama (offloaded or not) and sharded within 3%. For a convolution
-over a batch smaller than the 8 sublanes, libtpu rewrites the convolution (spatial rows folded
-into the batch, ``0b1f``), computes the elementwise values after it in that layout and copies
-those a reader in the batch/feature-minor layout needs across: they are materialized
-(:func:`~hloopt.passes.fusion_model.layout_boundaries`), at the batch/feature-minor size in VMEM.
-The tiny zoo convnet (batch 4) is predicted +1.0% (-37.6% before); the 9 such shapes of
-``bench/convnet_shapes.py`` -32% to +7% (were -56% to -2%; the four under -20%, batch 1 and
-wider stages, are not explained yet); batch 8 to 64 from -12% to -1%.
+tiny and small): such a device copy (``hbm_pinned`` in
+:func:`~hloopt.passes.tpu.msa.msa_sides`) is no VMEM relief for HBM; MSA prefetches it on
+into VMEM for its readers, so from the compute step before its first reader to its last one it
+takes that much of ``on_chip_bytes`` away from the temporaries packed there.
 An offloaded convolution result keeps its layout in host memory and in its copy back
-(:meth:`FusionPlan.value_bytes`).
+(:meth:`~hloopt.passes.tpu.fusion.FusionPlan.value_bytes`).
+
+How close each rule brings the prediction to libtpu's figures, per model and size, is measured by
+``tests/passes/test_preopt_accuracy.py`` and ``tests/passes/test_memory_accuracy.py`` and
+tabulated in ``docs/measurements.md``.
 
 Categories of a buffer (heuristics from the entry's structure and ``op_name`` metadata):
 ``parameters`` / ``optimizer state`` / ``inputs`` (entry parameters, by name: ``opt_state``,
@@ -95,22 +64,17 @@ Invariant: ``timeline_bytes[peak_step] == peak_bytes`` and the categories at the
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import Counter
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar
 
 import numpy as np
 
-from hloopt.ir import HOST_MEMORY_SPACE, Instruction, Module, gc_paused
+from hloopt.ir import HOST_MEMORY_SPACE, ON_CHIP_MEMORY_SPACE, Instruction, Module, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
-from hloopt.passes.liveness import FORWARDS, Liveness, LiveRanges
+from hloopt.passes.liveness import Liveness, LiveRanges
 from hloopt.passes.residuals import is_device_annotation, offloaded_source
-
-#: TPU VMEM, the on-chip memory space memory-space assignment moves temporaries into
-ON_CHIP_MEMORY_SPACE = 1
 
 CATEGORIES: tuple[str, ...] = ("parameters", "optimizer state", "inputs", "gradients", "activations",
                                "temporaries", "outputs", "static")
@@ -293,6 +257,10 @@ class PeakMemory(Analysis[MemoryProfile]):
                 start[b.id] = -1  # not in the timeline
         base = static + self.code_bytes
         if predicted_msa:
+            # libtpu's memory-space assignment, predicted (the TPU compiler model's, imported
+            # only when a TPU accounting asks for it)
+            from hloopt.passes.tpu.msa import activation_minor_sizes, msa_sides
+
             # copies from host memory land in HBM (module docstring): counted there, not packed
             pinned = {bid for bid in movable if any(is_device_annotation(i) for i, _ in lr.buffers[bid].values)}
             for bid in movable - pinned:  # counted by the MSA model, not as HBM bytes
@@ -336,286 +304,6 @@ class PeakMemory(Analysis[MemoryProfile]):
         )
 
 
-def msa_timeline(lr: LiveRanges, start: list[int], end: list[int], movable: set[int], hbm_bytes: list[int], *,
-                 capacity_bytes: int, base_bytes: int = 0,
-                 on_chip_only: list[tuple[int, int, int]] | tuple[()] = ()) -> list[int]:
-    """Per step: libtpu's accounted bytes under the memory-space assignment model (module docstring).
-
-    ``hbm_bytes`` is the timeline without the ``movable`` temporaries (``start``/``end`` are the
-    counted ranges), ``base_bytes`` its constant part (static allocations, code); parameters and
-    outputs are in it, and on the VMEM side too. ``on_chip_only`` are ``(start, end, bytes)`` of
-    temporaries that cost nothing in HBM (inside output allocations) but fill VMEM like the
-    movable ones.
-    """
-    hbm, vmem = msa_sides(lr, start, end, movable, hbm_bytes, capacity_bytes=capacity_bytes, base_bytes=base_bytes,
-                          on_chip_only=on_chip_only)
-    return [max(h, v) for h, v in zip(hbm, vmem)]
-
-
-def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int], hbm_bytes: list[int], *,
-              capacity_bytes: int, base_bytes: int = 0,
-              on_chip_only: list[tuple[int, int, int]] | tuple[()] = (),
-              on_chip_sizes: dict[int, int] | None = None,
-              hbm_pinned: set[int] | frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
-    """:func:`msa_timeline`'s two sides per step: ``fixed + HBM heap(t)`` and ``fixed + VMEM heap(t)``.
-    ``on_chip_sizes`` gives a movable buffer's bytes in VMEM where its on-chip layout differs.
-    ``hbm_pinned`` (a subset of ``movable``, already counted in ``hbm_bytes``) are the device
-    copies of host values: on the VMEM side like the others, never packed off HBM, and their VMEM
-    copies around their readers leave less room for the others (module docstring)."""
-    n = len(lr.steps)
-    sizes = lr.size_bytes
-    chip = on_chip_sizes or {}
-    mdiff = [0] * (n + 1)
-    cdiff = [0] * (n + 1)
-    fdiff = [0] * (n + 1)
-    for b in lr.buffers:
-        s = start[b.id]
-        if s < 0 or b.memory_space != 0:
-            continue
-        if b.id in movable:
-            if b.id not in hbm_pinned:
-                mdiff[s] += sizes[b.id]
-                mdiff[end[b.id] + 1] -= sizes[b.id]
-            cdiff[s] += chip.get(b.id, sizes[b.id])
-            cdiff[end[b.id] + 1] -= chip.get(b.id, sizes[b.id])
-        elif b.parameter >= 0 or b.output_indices:
-            fdiff[s] += sizes[b.id]
-            fdiff[end[b.id] + 1] -= sizes[b.id]
-    mov = list(accumulate(mdiff[:-1]))
-    fixed = list(accumulate(fdiff[:-1]))
-    for s, e, size in on_chip_only:
-        cdiff[s] += size
-        cdiff[e + 1] -= size
-    on_chip_mov = list(accumulate(cdiff[:-1]))
-    at = lr.aliasing.position_buffers
-    # parameters prefetched into VMEM, from the compute step before their first reader to their last
-    first, last, compute = prefetch_windows(lr)
-    pdiff = [0] * (n + 1)
-    for b, s in first.items():
-        pdiff[s] += sizes[b]
-        pdiff[last[b] + 1] -= sizes[b]
-    prefetched = list(accumulate(pdiff[:-1]))
-
-    # Memory-space assignment places whole buffers: at a step whose movable temporaries exceed
-    # VMEM, what stays in HBM is what a largest-first placement cannot fit.
-    born: list[list[int]] = [[] for _ in range(n + 1)]
-    dies: list[list[int]] = [[] for _ in range(n + 1)]
-    # VMEM copies of the pinned values (copies from host land in HBM; MSA prefetches them for
-    # their readers), from the compute step before their first reader to their last: VMEM room
-    # the movable temporaries cannot take
-    first_read: dict[int, int] = {}
-    if hbm_pinned:
-        for t, inst in enumerate(lr.steps):
-            if inst.opcode in FORWARDS:  # a forwarded buffer is read by the forwarder's readers
-                continue
-            for o in inst.operands:
-                for bid in at.get(o, ()):
-                    if bid in hbm_pinned and bid not in first_read and t > start[bid]:
-                        first_read[bid] = t
-    rdiff = [0] * (n + 1)
-    for bid, t in first_read.items():
-        k = bisect_left(compute, t)
-        s = compute[k - 1] if k > 0 else 0
-        rdiff[s] += sizes[bid]
-        rdiff[end[bid] + 1] -= sizes[bid]
-    reserved = list(accumulate(rdiff[:-1]))
-    for bid in movable - hbm_pinned:
-        born[start[bid]].append(sizes[bid])
-        dies[end[bid] + 1].append(sizes[bid])
-    live: Counter[int] = Counter()
-    hbm_side, vmem_side = [], []
-    for t in range(len(lr.steps)):
-        for s in dies[t]:
-            live[s] -= 1
-            if not live[s]:
-                del live[s]
-        for s in born[t]:
-            live[s] += 1
-        room = max(0, capacity_bytes - reserved[t])
-        spilled = mov[t] - packed_bytes(live, room) if mov[t] > room else 0
-        hbm_side.append(hbm_bytes[t] + spilled)
-        vmem_side.append(base_bytes + fixed[t] + min(capacity_bytes, on_chip_mov[t] + prefetched[t]))
-    return hbm_side, vmem_side
-
-
-def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], list[int]]:
-    """Per parameter buffer id the steps its prefetched VMEM copy is live from and to, and the compute steps.
-
-    MSA copies a parameter into VMEM once, overlapping the copy with the compute step before its
-    first reader, and keeps that copy until its last reader. Readers are the materialized steps
-    (a fused-away instruction's reads are its consumer's), counted from the first step of the
-    multi-output fusion they join, and loops, which read the parameters they carry from their
-    first step on (libtpu hoists what the body does to the whole array, e.g. the bf16 cast of
-    stacked weights, out of the loop). A step reads the parameters behind its operands through
-    the producers fused into it, tuples, and the module outputs it reads: libtpu fuses an output
-    with its later readers into one multi-output fusion (the optimizer's moment and parameter
-    updates are one), when the two have the same dims (the same iteration space).
-
-    Fused-away producers chain across layers (a residual stream of fused adds), so a step can
-    reach many instructions through them. Nothing here walks that chain once per step: the
-    instructions a step reads through are the same for every reader, so the earliest and latest
-    reading step are pushed from readers down to operands once, in topological order, and the
-    module outputs a step reaches are gathered once per instruction (few: the optimizer's). Time
-    and memory are linear in the instructions and operand edges, plus the output sets.
-    """
-    buffers = lr.buffers
-    at = lr.aliasing.position_buffers
-    held = [lr.start[b.id] >= 0 for b in buffers]  # materialized (not fused away, not a view)
-    when = lr.time
-    #: per instruction: 0 reads stop there (a parameter, collected; a materialized value), 1 a step
-    #: reads through it (a tuple, a fused-away producer), 2 through it and joins its fusion (an output)
-    kinds: dict[Instruction, int] = {}
-
-    def kind(o: Instruction) -> int:
-        k = kinds.get(o)
-        if k is None:
-            bids = at.get(o, ())
-            if o.opcode == "parameter":
-                k = 0
-            elif o.opcode in ("tuple", "get-tuple-element") or not any(held[b] for b in bids):
-                k = 1
-            elif any(buffers[b].output_indices for b in bids):
-                k = 2
-            else:
-                k = 0
-            kinds[o] = k
-        return k
-
-    # the held module outputs behind each instruction read through (shared frozensets: most are empty)
-    empty: frozenset[Instruction] = frozenset()
-    outputs_behind: dict[Instruction, frozenset[Instruction]] = {}
-
-    def behind(root: Instruction) -> frozenset[Instruction]:
-        stack = [(root, False)]
-        while stack:
-            v, ready = stack.pop()
-            if v in outputs_behind:
-                continue
-            if not ready:
-                stack.append((v, True))
-                stack.extend((o, False) for o in v.operands if kind(o) and o not in outputs_behind)
-                continue
-            parts = [outputs_behind[o] for o in v.operands if o in outputs_behind]
-            parts = [x for x in parts if x]
-            own = frozenset((v,)) if kinds[v] == 2 else empty
-            if not parts:
-                outputs_behind[v] = own
-            elif len(parts) == 1 and not own:
-                outputs_behind[v] = parts[0]
-            else:
-                outputs_behind[v] = own.union(*parts)
-        return outputs_behind[root]
-
-    # reading times per step: (earliest, latest) over its read entries
-    group_first: dict[int, int] = {}  # step -> first step of its multi-output fusion
-    window: dict[Instruction, tuple[int, int]] = {}
-    compute: list[int] = []
-    for t, inst in enumerate(lr.steps):
-        lo = hi = None
-        if inst.opcode == "while" and inst in lr.segments:
-            lo = hi = lr.segments[inst][0]
-        if inst.opcode not in _NO_PREFETCH and any(held[b] for b in at.get(inst, ())):
-            g = t
-            if inst.shape.is_array:
-                dims = inst.shape.dims
-                for o in inst.operands:
-                    if kind(o):
-                        for out in behind(o):
-                            if out.shape.is_array and out.shape.dims == dims and out in when:
-                                g = min(g, group_first.get(when[out], when[out]))
-            group_first[t] = g
-            lo = g if lo is None else min(lo, g)
-            hi = t if hi is None else max(hi, t)
-            compute.append(t)
-        if lo is not None:
-            window[inst] = (lo, hi)  # type: ignore[assignment]
-
-    # push (earliest, latest) from the readers through what they read, users before operands
-    low: dict[Instruction, int] = {}
-    high: dict[Instruction, int] = {}
-
-    def reach(o: Instruction, lo: int, hi: int) -> None:
-        if o in low:
-            if lo < low[o]:
-                low[o] = lo
-            if hi > high[o]:
-                high[o] = hi
-        else:
-            low[o], high[o] = lo, hi
-
-    for inst, (lo, hi) in window.items():
-        for o in inst.operands:
-            reach(o, lo, hi)
-    # topological order (users first) of everything reached through expanding instructions
-    order: list[Instruction] = []
-    state: dict[Instruction, bool] = {}
-    for root in list(low):
-        if root in state:
-            continue
-        stack = [(root, False)]
-        while stack:
-            v, done = stack.pop()
-            if done:
-                order.append(v)
-                continue
-            if v in state:
-                continue
-            state[v] = True
-            stack.append((v, True))
-            if kind(v):
-                stack.extend((o, False) for o in v.operands if o not in state)
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for v in reversed(order):  # a postorder reversed: every user before its operands
-        if v not in low:
-            continue
-        lo, hi = low[v], high[v]
-        if v.opcode == "parameter":
-            k = bisect_left(compute, lo)
-            prev = compute[k - 1] if k > 0 else 0
-            for b in at.get(v, ()):
-                if buffers[b].parameter >= 0:
-                    first[b] = min(first.get(b, prev), prev)
-                    last[b] = max(last.get(b, hi), hi)
-        elif kind(v):
-            for o in v.operands:
-                reach(o, lo, hi)
-    return first, last, compute
-
-
-def activation_minor_sizes(lr: LiveRanges, movable: set[int]) -> dict[int, int]:
-    """VMEM bytes of the movable buffers libtpu lays out with batch and feature minor on chip
-    (convolution results and the pooling windows over them:
-    :func:`~hloopt.passes.fusion_model.activation_minor_dims`), where that layout is larger than
-    the compact one they are counted at."""
-    from hloopt.passes.fusion_model import activation_minor_dims, tpu_layout_bytes
-
-    out: dict[int, int] = {}
-    for bid in movable:
-        for inst, index in lr.buffers[bid].values:
-            if index:
-                continue
-            dims = activation_minor_dims(inst)
-            if dims is not None:
-                size = tpu_layout_bytes(inst.shape.element_type, inst.shape.dims, *dims)
-                if size > lr.size_bytes[bid]:
-                    out[bid] = max(out.get(bid, 0), size)
-    return out
-
-
-def packed_bytes(live: Counter[int], capacity_bytes: int) -> int:
-    """Bytes of the live buffers (``{size: count}``) that fit ``capacity_bytes`` placed whole,
-    largest first."""
-    free = capacity_bytes
-    for size in sorted(live, reverse=True):
-        if 0 < size <= free:
-            free -= min(live[size], free // size) * size
-    return capacity_bytes - free
-
-
-#: steps that move no data through the core (MSA prefetches nothing for them)
-_NO_PREFETCH = frozenset({"while", "conditional", "call", "tuple", "get-tuple-element", "parameter",
-                          "constant", "opt-barrier", "optimization-barrier"})
 
 
 def _settle(by_cat: dict[str, int], delta: int) -> None:
@@ -779,5 +467,4 @@ def _info(module: Module, b: Buffer, size: int, cat: str, start: int, end: int) 
                       start=start, end=end)
 
 
-__all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "ON_CHIP_MEMORY_SPACE", "PeakMemory", "categorize",
-           "msa_sides", "msa_timeline", "output_allocation_reuse", "packed_bytes", "prefetch_windows"]
+__all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "PeakMemory", "categorize", "output_allocation_reuse"]

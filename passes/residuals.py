@@ -61,6 +61,7 @@ from hloopt.frameworks import FRAMEWORK_PACKAGES
 from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.loops import trip_count
+from hloopt.passes.opcodes import ASYNC_COPIES, BARRIERS, CONTROL_FLOW, VIEWS
 
 #: path fragments of library frames skipped when looking for the user's source line: JAX and the
 #: frameworks models are built with (hloopt.lowering writes installed files by package path,
@@ -69,11 +70,9 @@ LIBRARY_PATHS: tuple[str, ...] = ("site-packages/", "dist-packages/", "<site-pac
                                   *(f"{p}/" for p in FRAMEWORK_PACKAGES))
 
 #: ops that only re-view or move a value (looked through to find the producing op)
-_VIEW_OPS = frozenset({"bitcast", "reshape", "copy", "copy-done", "copy-start", "transpose", "convert",
-                       "get-tuple-element", "optimization-barrier", "opt-barrier"})
+_VIEW_OPS = VIEWS | ASYNC_COPIES | BARRIERS | {"copy", "transpose", "convert", "get-tuple-element"}
 #: opcodes never moved into F by the metadata hint (they join forward and backward values)
-_NO_EXTEND = frozenset({"tuple", "while", "opt-barrier", "optimization-barrier", "conditional",
-                        "parameter", "call"})
+_NO_EXTEND = CONTROL_FLOW | BARRIERS | {"tuple", "parameter"}
 _SIDE_EFFECT_SOURCES = frozenset({"rng", "rng-bit-generator", "infeed", "recv", "recv-done",
                                   "custom-call", "after-all"})
 _DTYPE_FLOAT = re.compile(r"^(f|bf)\d")

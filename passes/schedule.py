@@ -29,12 +29,12 @@ from typing import ClassVar
 from hloopt.errors import UserError
 from hloopt.ir import Computation, Instruction, Module
 from hloopt.passes import Analysis, AnalysisManager
+from hloopt.passes.opcodes import BARRIERS, TUPLE_OPS
 
 KINDS: tuple[str, ...] = ("module", "list")
 
 #: opcodes that allocate nothing of their own (they forward an operand's storage)
-_FORWARDING = frozenset({"get-tuple-element", "tuple", "bitcast", "opt-barrier", "domain",
-                         "add-dependency", "parameter"})
+_FORWARDING = TUPLE_OPS | BARRIERS | {"bitcast", "domain", "add-dependency", "parameter"}
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ def test_interference_is_every_overlapping_pair_in_one_memory_space() -> None:
 
 def test_tpu_prediction_readers_of_fused_values_read_their_inputs() -> None:
     # platform="tpu": XLA fuses the negate and the broadcast into the exponential that reads them
-    # (hloopt.passes.fusion_model); the fused values hold no buffer, and the exponential reads p.
+    # (hloopt.passes.tpu); the fused values hold no buffer, and the exponential reads p.
     # TPU tiles: f32[64] pads to 128 elements (512 B), f32[8,64] to (8, 128) (4096 B).
     g = liveness_graph(parse_module(CHAIN), platform="tpu")
     assert set(g.nodes) == {"p", "c", "d"}

@@ -141,7 +141,7 @@ def test_plan_per_device_agrees_with_the_global_programs_prediction(sharded_tiny
     timings: dict[str, float] = {}
     out = plan_per_device(tgt, profile=profile, pareto=True, pd=pd, timings=timings)
     # both per device: the TPU prediction of the global text sizes each value by its sharding
-    # (passes/fusion_model.py); measured against libtpu at tiny: global text -2.5%, XLA's
+    # (passes/tpu/); measured against libtpu at tiny: global text -2.5%, XLA's
     # per-device module +6.1% (README), so the two agree within 10%
     global_peak = analyze_module(pd.global_module, profile).peak_bytes
     assert abs(out.baseline.peak_bytes - global_peak) <= 0.10 * global_peak
@@ -203,7 +203,7 @@ def test_scan_and_unrolled_agree_on_every_name_both_find(both_forms) -> None:  #
 def test_scan_and_unrolled_offer_the_search_the_same_named_candidates(both_forms) -> None:  # type: ignore[no-untyped-def]
     # Same layer count and same allowed actions for every name (the decisions: the next test).
     # Instance bytes are what the TPU stores: an unrolled value read only by dots is stored bf16
-    # (passes/fusion_model.py), a scan's stacked residual at its HLO size (libtpu narrows some
+    # (passes/tpu/), a scan's stacked residual at its HLO size (libtpu narrows some
     # stacks too; not modeled), so bytes are compared on the HLO values (test above).
     def named(outcome) -> Counter[tuple]:  # type: ignore[no-untyped-def]
         return Counter((c.name, len(c.instances), tuple(sorted(a.value for a in c.allowed)))

@@ -6,6 +6,7 @@ from hloopt.hlo.parser import parse_module
 from hloopt.passes import AnalysisManager
 from hloopt.passes.liveness import Liveness
 from hloopt.passes.loops import trip_count
+from hloopt.passes.tpu import TpuFusion
 
 CHAIN = """
 HloModule m
@@ -110,7 +111,7 @@ def test_list_schedule_lowers_the_peak_of_a_bad_text_order() -> None:
 
 def test_tpu_fusion_does_not_materialize_elementwise_chains() -> None:
     _, plain = live(CHAIN)
-    _, fused = live(CHAIN, materialize="tpu-fusion")
+    _, fused = live(CHAIN, fusion=TpuFusion())
     # a and b are fused into c's fusion: only p, c and d hold buffers
     assert {r.buffer.instruction.name for r in fused.ranges()} == {"p", "c", "d"}
     assert max(fused.bytes_per_step()) == 3072 < max(plain.bytes_per_step())

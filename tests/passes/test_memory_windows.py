@@ -11,13 +11,8 @@ import pytest
 
 from hloopt.analysis import profile_module
 from hloopt.hlo.parser import parse_module
-from hloopt.passes.memory import (
-    _NO_OPERAND_SHARING,
-    _NO_PREFETCH,
-    _is_constant,
-    output_allocation_reuse,
-    prefetch_windows,
-)
+from hloopt.passes.memory import _NO_OPERAND_SHARING, _is_constant, output_allocation_reuse
+from hloopt.passes.tpu.msa import _NO_PREFETCH, prefetch_windows
 
 ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 

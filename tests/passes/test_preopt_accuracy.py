@@ -1,4 +1,4 @@
-"""The pre-optimization TPU model (passes/fusion_model.py) against libtpu's own figures.
+"""The pre-optimization TPU model (passes/tpu/) against libtpu's own figures.
 
 Truth: libtpu 0.0.42's ``memory_analysis()`` for v5e: the tiny zoo snapshots (``<m>.tpu-v5e.hlo``
 + ``.json``) and the ``small`` models (``fixtures/hlo/zoo/dumps/small.tpu-v5e.json``). libtpu's
@@ -21,7 +21,8 @@ from hloopt.analysis import analyze
 from hloopt.hlo.parser import parse_file
 from hloopt.ir import Shape
 from hloopt.passes import AnalysisManager
-from hloopt.passes.fusion_model import TpuFusion, parse_sharding, shard_dims, tpu_compact_bytes
+from hloopt.passes.tpu import TpuFusion, tpu_compact_bytes
+from hloopt.spmd import parse_sharding, shard_dims
 
 ZOO = Path(__file__).resolve().parents[2] / "fixtures" / "hlo" / "zoo"
 STEMS = [m + v for m in ("mlp", "convnet", "gpt2", "llama", "sharded") for v in ("", ".offload")]
@@ -34,7 +35,7 @@ STEMS = [m + v for m in ("mlp", "convnet", "gpt2", "llama", "sharded") for v in 
 PEAK_MISSES: dict[str, float] = {
     # none. convnet (batch 4) was -37.6% until the values crossing out of the layout libtpu
     # rewrites its convolutions over a batch below 8 into were materialized
-    # (fusion_model.layout_boundaries): +1.0%
+    # (tpu.fusion.layout_boundaries): +1.0%
 }
 
 
@@ -149,7 +150,7 @@ def test_value_read_only_by_default_precision_matmuls_is_stored_bf16(precision: 
     expected = 256 * 512 * (2 if bf16 else 4)
     assert plan.value_bytes(r) == expected
     # the buffer keeps that size through the tuple, the barrier and the element read
-    lr = AnalysisManager(mod).get(Liveness(materialize="tpu-fusion", alignment_bytes=512))
+    lr = AnalysisManager(mod).get(Liveness(fusion=TpuFusion(), alignment_bytes=512))
     (bid,) = lr.aliasing.position_buffers[r]
     assert lr.size_bytes[bid] == expected
     assert plan.value_bytes(mod.entry["x"]) == 256 * 512 * 4  # parameters keep their type
@@ -240,7 +241,7 @@ def test_memory_space_assignment_model_hand_computed(on_chip_bytes: int, heap_by
 
     mod = parse_module(_MSA_MODULE)
     prof = AnalysisManager(mod).get(PeakMemory(
-        liveness=Liveness(materialize="tpu-fusion", alignment_bytes=512), outputs_whole_program=True,
+        liveness=Liveness(fusion=TpuFusion(), alignment_bytes=512), outputs_whole_program=True,
         on_chip_heap=True, on_chip_bytes=on_chip_bytes))
     assert prof.argument_bytes == prof.output_bytes == 65536
     assert prof.peak_bytes == 2 * 65536 + heap_bytes
@@ -268,7 +269,7 @@ def test_prefetched_parameter_stays_in_vmem_between_its_readers() -> None:
 
     mod = parse_module(_WINDOW_MODULE)
     prof = AnalysisManager(mod).get(PeakMemory(
-        liveness=Liveness(materialize="tpu-fusion", alignment_bytes=512), outputs_whole_program=True,
+        liveness=Liveness(fusion=TpuFusion(), alignment_bytes=512), outputs_whole_program=True,
         on_chip_heap=True, on_chip_bytes=2**30))
     assert prof.argument_bytes == prof.output_bytes == 65536
     assert prof.peak_bytes == 2 * 65536 + 3 * 65536
@@ -383,7 +384,7 @@ def test_scan_gradient_accumulator_takes_the_sharding_of_what_it_accumulates() -
     """Replicated zeros, then each iteration writes a slice computed from the 4-way sharded
     weight: XLA shards the accumulator (and the zeros) as the weight; per device f32[2,64,32]."""
     from hloopt.hlo.parser import parse_module
-    from hloopt.passes.fusion_model import propagate_shardings
+    from hloopt.spmd import propagate_shardings
 
     mod = parse_module(_ACCUMULATE)
     sp = propagate_shardings(mod)
@@ -401,7 +402,7 @@ def test_partitioned_module_is_not_divided_again() -> None:
     """XLA's per-device module keeps its ``sharding=`` attributes on shapes that are already
     shards: they describe, not divide (a partition id or collective marks such a module)."""
     from hloopt.hlo.parser import parse_module
-    from hloopt.passes.fusion_model import is_partitioned
+    from hloopt.spmd import is_partitioned
 
     glob = parse_module(_ACCUMULATE)
     local = parse_module(_ACCUMULATE.replace("f32[2,64,128]", "f32[2,64,32]").replace(
@@ -440,7 +441,7 @@ def test_per_device_module_prediction_within_10_percent_of_libtpu(stem: str) -> 
 
 
 def _check_activation_layouts(modules) -> int:  # type: ignore[no-untyped-def]
-    from hloopt.passes.fusion_model import activation_minor_dims, tpu_layout_bytes
+    from hloopt.passes.tpu.layout import activation_minor_dims, tpu_layout_bytes
 
     checked = 0
     for path, module in modules:
@@ -501,7 +502,7 @@ def _tiny_convnet_predicted_and_compiled(batch: int, image: int) -> tuple[int, i
 def test_convnets_below_batch_8_within_10_percent() -> None:
     """Convnets libtpu rewrites into the ``0b1f`` layout (a batch below the 8 sublanes), compiled
     here: within 10% of libtpu's peak with the values crossing out of that layout materialized
-    (:func:`~hloopt.passes.fusion_model.layout_boundaries`). Measured: batch 2 -3.0% (-25.7%
+    (:func:`~hloopt.passes.tpu.fusion.layout_boundaries`). Measured: batch 2 -3.0% (-25.7%
     before), batch 4 on 32x32 images +7.1% (-40.1%), batch 4 on 8x8 images -0.9% (-14.5%)."""
     rewritten = 0
     for batch, image in ((2, 16), (4, 32), (4, 8)):
@@ -593,7 +594,8 @@ def test_values_crossing_out_of_a_rewritten_convolutions_layout_are_materialized
     reductions, so they stay fused; the normalized ``n``, multiplied by a gradient ``g`` in the
     batch/feature-minor layout, crosses the boundary and is materialized, laid out batch and
     feature minor like the convolution. Batch 8: no rewrite, nothing extra."""
-    from hloopt.passes.fusion_model import activation_minor_dims, fused_instructions, layout_boundaries
+    from hloopt.passes.tpu.fusion import fused_instructions, layout_boundaries
+    from hloopt.passes.tpu.layout import activation_minor_dims
 
     mod = parse_module_text(_BOUNDARY_MODULE.replace("B,", f"{batch},"))
     fused = fused_instructions(mod)
@@ -704,7 +706,7 @@ def test_scan_stacks_read_back_only_by_matmuls_are_stored_bf16() -> None:
     default-precision matmuls is narrowed (the update that fills it and the backward loop's read
     of it); one the backward loop also reads elementwise is not. Hand-written two-loop module."""
     from hloopt.hlo.parser import parse_module
-    from hloopt.passes.fusion_model import bf16_stacks
+    from hloopt.passes.tpu.storage import bf16_stacks
 
     def module(reader: str) -> str:
         return f"""HloModule m

@@ -1,0 +1,215 @@
+"""Which values libtpu materializes in HBM, predicted from a pre-optimization module.
+
+``hloopt plan`` and ``hloopt analyze --platform tpu`` work on the HLO JAX lowers (no layouts, no
+fusions, global shapes of an SPMD program). :class:`TpuFusion` says, for every instruction of such
+a module, whether libtpu will give its value an HBM buffer and how many bytes per device that
+buffer takes: the :class:`FusionPlan` generic liveness takes
+(``Liveness(fusion=TpuFusion(...))``) and counts buffers with.
+
+* **Fusion** (:func:`fused_instructions`): an instruction is *fused away* (holds no HBM buffer;
+  its readers read its inputs instead) when it is a cheap element-wise or data-movement op that
+  XLA's instruction fusion puts into its consumers (:data:`hloopt.passes.opcodes.FUSIBLE`), a
+  sharding marker, or the one-hot scatter of ``take_along_axis``'s gradient
+  (:func:`is_one_hot_scatter`), which XLA rewrites into a compare/select. It stays materialized
+  when it feeds loop state, a tuple or the root (XLA writes the last fused op there), unless it is
+  a scalar or a constant. Reductions, dots, convolutions, gathers/scatters,
+  dynamic-(update-)slices, sorts, loops and calls are fusion roots: they hold their result.
+* **Layout boundaries** (:func:`layout_boundaries`): libtpu rewrites a forward convolution over a
+  batch below the 8 sublanes into another layout (spatial rows folded into the batch, ``0b1f``)
+  and computes the element-wise values after it in that layout; a value of that region read
+  outside it cannot fuse across the layout change: libtpu materializes it and copies it to the
+  batch/feature-minor layout. Those values are materialized here, laid out like the convolution.
+* **Sizes**: each materialized value at its per-device shape (:func:`hloopt.spmd.shard_dims` of
+  the propagated sharding), in the most compact tiled layout (:mod:`hloopt.passes.tpu.layout`),
+  bf16 where libtpu stores it so (:mod:`hloopt.passes.tpu.storage`).
+
+Code size: libtpu's ``peak_memory_in_bytes`` includes the program's generated code, which is
+unknowable before compiling (15-60% of the tiny zoo models' peak, well under 1% of a real
+model's). The model predicts the peak *without* code; tests compare it with XLA's peak minus
+XLA's code size.
+
+Invariants: a fused-away instruction is never an entry parameter, a module output, loop state or
+a computation's root; ``value_bytes`` is a positive multiple of ``alignment_bytes`` for arrays,
+and never more than the global unsharded tiled size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from hloopt.ir import Instruction, Module
+from hloopt.passes import Analysis, AnalysisManager
+from hloopt.passes.aliasing import Buffer
+from hloopt.passes.opcodes import CONTROL_FLOW, FUSIBLE, is_identity_call
+from hloopt.passes.residuals import offloaded_source
+from hloopt.passes.tpu.layout import activation_minor_dims, tpu_compact_bytes, tpu_layout_bytes
+from hloopt.passes.tpu.storage import bf16_stacks, bf16_stored, offloaded_into_stack
+from hloopt.spmd import Split, propagate_shardings, shard_dims, split_element
+
+
+def is_one_hot_scatter(inst: Instruction) -> bool:
+    """A scatter XLA turns into an elementwise compare/select: the gradient of ``take_along_axis``.
+
+    It scatters scalars (no update window) into a broadcast scalar along ONE dimension, every
+    other dimension a batching dimension: each slice along that dimension receives exactly one
+    update, so the result is ``select(iota == index, update, fill)``, elementwise, and fuses into
+    its readers like one (libtpu's compiled zoo has no such scatter and no buffer for it).
+    """
+    if inst.opcode != "scatter" or len(inst.operands) != 3 or not inst.shape.is_array:
+        return False
+    base = inst.operands[0]
+    if base.opcode != "broadcast" or not base.operands or base.operands[0].shape.dims:
+        return False
+    if inst.attr_ints("update_window_dims"):
+        return False
+    scattered = inst.attr_ints("scatter_dims_to_operand_dims")
+    batching = inst.attr_ints("input_batching_dims")
+    rank = len(inst.shape.dims)
+    return len(scattered) == 1 and sorted(list(scattered) + list(batching)) == list(range(rank))
+
+
+
+def fused_instructions(module: Module) -> set[Instruction]:
+    """Instructions XLA fuses into all their readers (module docstring): they hold no buffer."""
+    entry = module.entry
+    out: set[Instruction] = set()
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            fusible = inst.opcode in FUSIBLE or is_identity_call(inst) or is_one_hot_scatter(inst) \
+                or offloaded_into_stack(inst)
+            if not fusible or inst.shape.is_tuple or inst.is_root:
+                continue
+            if comp is entry and any(u.is_root for u in inst.users):
+                continue  # a module output has its own allocation
+            if any(u.opcode in CONTROL_FLOW or u.opcode == "tuple" or u.is_root or u.opcode == "parameter"
+                   for u in inst.users):
+                # Feeding loop state or the output: XLA materializes the last fused op there,
+                # unless it is a scalar or a constant.
+                if inst.shape.num_elements > 1 and inst.opcode != "constant":
+                    continue
+            if entry is not None and comp is not entry and comp.root is inst:
+                continue
+            out.add(inst)
+    return out
+
+
+def _rewritten_convolution(inst: Instruction) -> bool:
+    """A forward 2-D convolution over a batch smaller than the 8 sublanes, which libtpu rewrites
+    (spatial rows folded into the batch, ``0b1f``) and computes its elementwise readers in that
+    layout."""
+    if inst.opcode != "convolution" or not inst.shape.is_array or len(inst.shape.dims) != 4:
+        return False
+    if inst.attrs.get("dim_labels", "") != "b01f_01io->b01f" or "rhs_reversal" in inst.attrs.get("window", ""):
+        return False
+    return 0 < inst.shape.dims[0] < 8
+
+
+def layout_boundaries(module: Module, fused: set[Instruction]) -> set[Instruction]:
+    """Fused-away values libtpu materializes because they cross from a rewritten convolution's
+    layout (:func:`_rewritten_convolution`) to the batch/feature-minor one: an elementwise value
+    computed only from such a convolution's result (and vectors) that a reader outside that
+    region reads (the pooling gradient's operand, a fusion mixing in a value of the other layout)."""
+    def vector_like(o: Instruction, n: int) -> bool:
+        # a per-channel statistic or constant, broadcast or not: no layout of its own to cross
+        if o.opcode == "broadcast" and o.operands:
+            o = o.operands[0]
+        return o.opcode == "constant" or not o.shape.is_array or o.shape.num_elements * 8 <= n
+
+    region: set[Instruction] = set()
+    todo = [i for i in module.instructions() if _rewritten_convolution(i)]
+    while todo:
+        v = todo.pop()
+        if v in region:
+            continue
+        region.add(v)
+        for u in v.users:
+            if u in region or u not in fused or not u.shape.is_array or u.shape.dims != v.shape.dims:
+                continue
+            if all(o in region or vector_like(o, v.shape.num_elements) for o in u.operands):
+                todo.append(u)
+    out: set[Instruction] = set()
+    for v in region:
+        if v not in fused:
+            continue
+        for u in v.users:
+            if u in region:
+                continue
+            if u.opcode == "reduce" or u.opcode == "reduce-window":
+                continue  # reduced in the rewritten layout (the normalization's statistics, the pool)
+            out.add(v)
+            break
+    return out
+
+
+
+
+
+
+@dataclass(eq=False)
+class FusionPlan:
+    """Result of :class:`TpuFusion`."""
+
+    module: Module
+    #: instructions that hold no HBM buffer
+    fused: frozenset[Instruction]
+    #: tile counts per instruction (absent: replicated)
+    shardings: dict[Instruction, Split] = field(repr=False)
+    alignment_bytes: int = 512
+    #: f32 values stored as bf16 (:func:`bf16_stored`)
+    narrowed: frozenset[Instruction] = frozenset()
+
+    def value_bytes(self, inst: Instruction, index: tuple[int, ...] = (), *, narrowed: bool = False) -> int:
+        """Per-device HBM bytes of the value at ``inst``'s shape ``index`` (0 when fused away);
+        ``narrowed``: the value is stored as bf16 (a forwarding position of a narrowed value)."""
+        if inst in self.fused:
+            return 0
+        shape = inst.shape
+        s = self.shardings.get(inst)
+        for k in index:
+            shape = shape.tuple_shapes[k]
+            s = split_element(s, k)
+        if shape.is_tuple:
+            return max(self.alignment_bytes, 8 * len(shape.tuple_shapes))
+        if not shape.is_array:
+            return 0
+        narrow = narrowed or (not index and inst in self.narrowed)
+        dtype = "bf16" if narrow and shape.element_type == "f32" else shape.element_type
+        if not index and inst.opcode == "custom-call" and inst.operands:
+            # an offloaded convolution result keeps its batch/feature-minor layout in host memory,
+            # and so does its copy back on the device
+            src = inst.operands[0] if shape.on_host else getattr(offloaded_source(inst), "operands", [None])[0]
+            dims = activation_minor_dims(src) if src is not None else None
+            if dims is not None:
+                return tpu_layout_bytes(dtype, shard_dims(shape, s), *dims, alignment_bytes=self.alignment_bytes)
+        return tpu_compact_bytes(dtype, shard_dims(shape, s), alignment_bytes=self.alignment_bytes)
+
+    def buffer_bytes(self, buffer: Buffer) -> int:
+        """Per-device bytes of an aliasing :class:`~hloopt.passes.aliasing.Buffer`: its largest value."""
+        values = buffer.values
+        # a narrowed value keeps its bf16 size through the tuples and barriers that forward it
+        narrowed = bool(self.narrowed) and any(not ix and i in self.narrowed for i, ix in values)
+        return max((self.value_bytes(i, tuple(ix), narrowed=narrowed) for i, ix in values), default=0)
+
+
+@dataclass(frozen=True)
+class TpuFusion(Analysis[FusionPlan]):
+    """Which values libtpu materializes in HBM, and their per-device tiled sizes (module docstring)."""
+
+    name: ClassVar[str] = "tpu-fusion"
+    #: HBM allocation granularity
+    alignment_bytes: int = 512
+    #: also narrow a scan's stacks read back only by matmuls (:func:`bf16_stacks`). On for
+    #: ``hloopt analyze``'s TPU prediction; off for the planner's Problem, whose decisions change
+    #: which stacks exist (a stack narrowed in the all-saved step may be offloaded or recomputed)
+    narrow_stacks: bool = False
+
+    def run(self, module: Module, am: AnalysisManager) -> FusionPlan:
+        fused = fused_instructions(module)
+        fused -= layout_boundaries(module, fused)
+        narrowed = bf16_stored(module, fused) | (bf16_stacks(module) if self.narrow_stacks else set())
+        return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
+                          frozenset(narrowed))
+
+
+__all__ = ["FusionPlan", "TpuFusion", "fused_instructions", "is_one_hot_scatter", "layout_boundaries"]
