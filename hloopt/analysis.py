@@ -142,7 +142,8 @@ def prepare_for_profile(module: Module, settings: Mapping[str, Any], *, am: Anal
         am = None
         if settings["schedule"] != "module":
             order = Schedule(kind=settings["schedule"]).run(module, AnalysisManager(module))
-            module = in_schedule_order(module, order)
+            # the layouts' module is always this call's own (a copy, or the caller's owned one)
+            module = in_schedule_order(module, order, owned=True)
     elif settings["kind"] == "unoptimized":
         placed = _place_annotated_on_host(module)
         if placed is not module:

@@ -407,7 +407,10 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
         if chosen is None:
             s, e, m = start[b.id], end[b.id], len(allocs)
             open_ = np.flatnonzero((out_start[:m] >= e) | (out_end[:m] <= s))
-            chosen = next((int(k) for k in open_[::-1] if fits(int(k), b)), None)
+            for k in reversed(open_.tolist()):
+                if fits(k, b):
+                    chosen = k
+                    break
         if chosen is not None:
             allocs[chosen][1].append((start[b.id], end[b.id], b.id))
             alloc_of[b.id] = chosen
@@ -424,12 +427,27 @@ def categorize(lr: LiveRanges) -> dict[int, str]:
         for p in entry.parameters:
             for _, leaf in p.shape.leaves():
                 param_dims.add((leaf.element_type, leaf.dims))
+    backward: dict[str, bool] = {}
     for b in lr.buffers:
-        out[b.id] = _category(b, lr, param_dims)
+        out[b.id] = _category(b, lr, param_dims, backward)
     return out
 
 
-def _category(b: Buffer, lr: LiveRanges, param_dims: set[tuple[str, tuple[int, ...]]]) -> str:
+def _in_backward(inst: Instruction, memo: dict[str, bool]) -> bool:
+    """``transpose(`` in ``inst``'s op_name (the backward pass), memoized per metadata text: a
+    step's instructions share a few hundred texts."""
+    text = inst._metadata_text
+    if not text:
+        return "transpose(" in inst.metadata.op_name
+    got = memo.get(text)
+    if got is None:
+        got = memo[text] = "transpose(" in inst.metadata.op_name
+    return got
+
+
+def _category(b: Buffer, lr: LiveRanges, param_dims: set[tuple[str, tuple[int, ...]]],
+              backward_memo: dict[str, bool] | None = None) -> str:
+    memo: dict[str, bool] = {} if backward_memo is None else backward_memo
     if b.parameter >= 0:
         p = b.instruction
         text = (p.name + " " + p.metadata.op_name).lower()
@@ -440,7 +458,8 @@ def _category(b: Buffer, lr: LiveRanges, param_dims: set[tuple[str, tuple[int, .
         return "parameters"
     if b.output_indices:
         return "outputs"
-    if all(i.opcode == "constant" for i, _ in b.values):
+    values = b.values
+    if values[0][0].opcode == "constant" if len(values) == 1 else all(i.opcode == "constant" for i, _ in values):
         return "static"
     op_name = b.instruction.metadata.op_name
     backward = "transpose(" in op_name
@@ -449,9 +468,9 @@ def _category(b: Buffer, lr: LiveRanges, param_dims: set[tuple[str, tuple[int, .
             return "gradients"
         return "temporaries"
     # Forward value: an activation when a backward-pass instruction reads it.
-    for inst, _ in b.values:
+    for inst, _ in values:
         for u in inst.users:
-            if "transpose(" in u.metadata.op_name:
+            if _in_backward(u, memo):
                 return "activations"
     if "jvp(" in op_name and lr.end[b.id] - lr.start[b.id] > max(8, lr.num_steps // 20):
         return "activations"

@@ -63,12 +63,14 @@ class Schedule(Analysis[ScheduleResult]):
         return ScheduleResult("list", {c: list_schedule(c) for c in module.computations.values()})
 
 
-def in_schedule_order(module: Module, schedule: ScheduleResult) -> Module:
+def in_schedule_order(module: Module, schedule: ScheduleResult, *, owned: bool = False) -> Module:
     """A new module whose computations' instructions are in ``schedule``'s order (the input is
-    not changed). Scheduling it with ``"module"`` gives ``schedule``'s sequences back."""
+    not changed, unless ``owned``: the caller has just built ``module`` and nothing else holds it,
+    and it is reordered where it is, :func:`hloopt.passes.inline.reordered`). Scheduling it with
+    ``"module"`` gives ``schedule``'s sequences back."""
     from hloopt.passes.inline import reordered
 
-    return reordered(module, schedule.sequences)
+    return reordered(module, schedule.sequences, owned=owned)
 
 
 def list_schedule(comp: Computation) -> list[Instruction]:
@@ -88,19 +90,31 @@ def list_schedule(comp: Computation) -> list[Instruction]:
     deps_left = [0] * n
     succs: list[list[int]] = [[] for _ in range(n)]
     for i, inst in enumerate(insts):
-        ops = list(dict.fromkeys(k for o in inst.operands if (k := pos.get(o)) is not None))
+        inst_ops = inst.operands
+        if len(inst_ops) == 1:  # most instructions: no duplicates to drop
+            k = pos.get(inst_ops[0])
+            ops = [] if k is None else [k]
+        else:
+            ops = list(dict.fromkeys(k for o in inst_ops if (k := pos.get(o)) is not None))
         operands.append(ops)
-        preds = dict.fromkeys(ops)
         if inst.control_predecessors:
+            preds = dict.fromkeys(ops)
             preds.update(dict.fromkeys(k for p in inst.control_predecessors if (k := pos.get(p)) is not None))
-        deps_left[i] = len(preds)
-        for p in preds:
-            succs[p].append(i)
+            deps_left[i] = len(preds)
+            for p in preds:
+                succs[p].append(i)
+        else:
+            deps_left[i] = len(ops)
+            for p in ops:
+                succs[p].append(i)
         for o in ops:
             remaining_uses[o] += 1
 
     def priority(i: int) -> int:
-        freed = sum(size[o] for o in operands[i] if remaining_uses[o] == 1 and o != root)
+        freed = 0
+        for o in operands[i]:
+            if remaining_uses[o] == 1 and o != root:
+                freed += size[o]
         return size[i] - freed  # smaller is better
 
     heap = [(priority(i), i) for i in range(n) if deps_left[i] == 0]

@@ -70,6 +70,10 @@ def is_one_hot_scatter(inst: Instruction) -> bool:
 
 
 
+#: readers through which a value becomes loop state or a tuple element (with the root: stays materialized)
+_STATE_READERS = CONTROL_FLOW | {"tuple", "parameter"}
+
+
 def fused_instructions(module: Module) -> set[Instruction]:
     """Instructions XLA fuses into all their readers (module docstring): they hold no buffer."""
     entry = module.entry
@@ -80,10 +84,18 @@ def fused_instructions(module: Module) -> set[Instruction]:
                 or offloaded_into_stack(inst)
             if not fusible or inst.shape.is_tuple or inst.is_root:
                 continue
-            if comp is entry and any(u.is_root for u in inst.users):
+            # one walk over the users: does one of them hold loop state or the output (a
+            # root, a loop, a tuple), and is one of them the root
+            feeds_root = feeds_state = False
+            for u in inst.users:
+                if u.is_root:
+                    feeds_root = feeds_state = True
+                    break
+                if u.opcode in _STATE_READERS:
+                    feeds_state = True
+            if feeds_root and comp is entry:
                 continue  # a module output has its own allocation
-            if any(u.opcode in CONTROL_FLOW or u.opcode == "tuple" or u.is_root or u.opcode == "parameter"
-                   for u in inst.users):
+            if feeds_state:
                 # Feeding loop state or the output: XLA materializes the last fused op there,
                 # unless it is a scalar or a constant.
                 if inst.shape.num_elements > 1 and inst.opcode != "constant":

@@ -121,18 +121,20 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
         born[start[bid]].append(sizes[bid])
         dies[end[bid] + 1].append(sizes[bid])
     live: Counter[int] = Counter()
-    hbm_side, vmem_side = [], []
-    for t in range(len(lr.steps)):
+    hbm_side = list(hbm_bytes[:n])
+    for t in range(n):
         for s in dies[t]:
             live[s] -= 1
             if not live[s]:
                 del live[s]
         for s in born[t]:
             live[s] += 1
-        room = max(0, capacity_bytes - reserved[t])
-        spilled = mov[t] - packed_bytes(live, room) if mov[t] > room else 0
-        hbm_side.append(hbm_bytes[t] + spilled)
-        vmem_side.append(base_bytes + fixed[t] + min(capacity_bytes, on_chip_mov[t] + prefetched[t]))
+        room = capacity_bytes - reserved[t]
+        if room < 0:
+            room = 0
+        if mov[t] > room:
+            hbm_side[t] += mov[t] - packed_bytes(live, room)
+    vmem_side = [base_bytes + f + min(capacity_bytes, c + p) for f, c, p in zip(fixed, on_chip_mov, prefetched)]
     return hbm_side, vmem_side
 
 
