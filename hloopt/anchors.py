@@ -41,10 +41,18 @@ class Anchor:
     #: The policy as a user writes it.
     code: str
     decide: Callable[[Candidate], Action]
+    #: what it does with the step's argument groups (``Candidate.state``); None: they stay on
+    #: device (a checkpoint policy cannot move arguments)
+    place: Callable[[Candidate], Action] | None = None
 
     def decisions(self, problem: Problem) -> Decisions:
         actions = {}
         for c in problem.candidates:
+            if c.state is not None:
+                a = self.place(c) if self.place is not None else Action.DEVICE
+                if a in c.allowed and a != Action.DEVICE:
+                    actions[c.key] = a
+                continue
             a = self.decide(c)
             if a not in c.allowed:
                 a = Action.DEVICE
@@ -90,11 +98,40 @@ ANCHORS: tuple[Anchor, ...] = (
     Anchor("qkv_proj_offloaded", "maxtext", "remat_policy: qkv_proj_offloaded",
            _names(MAXTEXT_QKV_NAMES, Action.OFFLOAD)),
     Anchor("full", "maxtext", "remat_policy: full", lambda c: Action.REMAT),
+    # Where the step's arguments live (hloopt plan --state): MaxText's two booleans on its
+    # default remat policy, and JAX's memory-kinds recipe (optimizer state in pinned_host,
+    # its update under compute_on("device_host")) on the step as written.
+    Anchor("full + optimizer_memory_host_offload", "maxtext",
+           "remat_policy: full, optimizer_memory_host_offload: true", lambda c: Action.REMAT,
+           lambda c: Action.OFFLOAD if _is_optimizer(c) else Action.DEVICE),
+    Anchor("full + parameter_memory_host_offload", "maxtext",
+           "remat_policy: full, parameter_memory_host_offload: true", lambda c: Action.REMAT,
+           lambda c: Action.DEVICE if _is_optimizer(c) else Action.OFFLOAD),
+    Anchor("full + both host offloads", "maxtext",
+           "remat_policy: full, optimizer_memory_host_offload: true, parameter_memory_host_offload: true",
+           lambda c: Action.REMAT, lambda c: Action.OFFLOAD),
+    Anchor("optimizer on host (compute_on)", "jax",
+           "opt_state with memory_kind='pinned_host'; the update under compute_on('device_host') "
+           "(hloopt.state.on_host)", lambda c: Action.DEVICE,
+           lambda c: Action.REMAT if _is_optimizer(c) else Action.DEVICE),
 )
 
 
+def _is_optimizer(c: Candidate) -> bool:
+    """The candidate standing for the optimizer's state and update (hloopt.pipeline.OPTIMIZER_KEY)."""
+    return c.key == "state:optimizer"
+
+
+def _places(anchor: Anchor) -> bool:
+    return anchor.place is not None
+
+
 def expressible(anchor: Anchor, problem: Problem) -> bool:
-    """MaxText presets apply only to programs that use MaxText's tensor names."""
+    """MaxText presets apply only to programs that use MaxText's tensor names; anchors placing the
+    step's arguments only to problems that have them as candidates."""
+    if _places(anchor):
+        return any(c.state is not None and anchor.place is not None and anchor.place(c) in c.allowed - {Action.DEVICE}
+                   for c in problem.candidates)
     if anchor.kind != "maxtext" or anchor.name == "full":
         return True
     wanted = MAXTEXT_QKV_NAMES if anchor.name == "qkv_proj_offloaded" else MAXTEXT_MINIMAL_NAMES
@@ -126,5 +163,10 @@ def policy_object(anchor: Anchor, names: frozenset[str]) -> object:
         "qkv_proj_offloaded": lambda: cp.save_and_offload_only_these_names(
             names_which_can_be_saved=[], names_which_can_be_offloaded=sorted(MAXTEXT_QKV_NAMES), **offload),
         "full": lambda: cp.nothing_saveable,
+        # anchors placing arguments: their checkpoint policy (the placement is not a policy)
+        "full + optimizer_memory_host_offload": lambda: cp.nothing_saveable,
+        "full + parameter_memory_host_offload": lambda: cp.nothing_saveable,
+        "full + both host offloads": lambda: cp.nothing_saveable,
+        "optimizer on host (compute_on)": lambda: cp.everything_saveable,
     }
     return table[anchor.name]()

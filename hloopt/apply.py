@@ -57,7 +57,28 @@ def apply_policy(policy: Callable[..., Any] | None, step: Callable[..., Any]) ->
     return with_policy
 
 
-def apply_plan(plan: Any, step: Callable[..., Any]) -> Callable[..., Any]:
+def apply_plan(plan: Any, step: Callable[..., Any], args: tuple[Any, ...] | None = None, *,
+               donate_argnums: int | tuple[int, ...] = ()) -> Any:
     """``step`` wrapped so that it takes the plan's policy whenever it is traced (``jax.jit`` it,
-    or call it where it is already jitted). The plan is read once, here."""
-    return apply_policy(_plan_policy(plan), step)
+    or call it where it is already jitted). The plan is read once, here.
+
+    With ``args`` (the step's positional arguments, arrays or ``ShapeDtypeStruct``): returns
+    ``(step2, args2)``, ``step2`` jitted with the plan's placement of the step's arguments
+    (``hloopt plan --state``: ``pinned_host`` shardings on the groups it puts in host memory and
+    on their updated outputs, :func:`hloopt.state.apply_state_plan`) and ``args2`` placed so.
+    ``donate_argnums`` goes to ``jax.jit``."""
+    from hloopt.emit import load_plan
+
+    loaded = load_plan(plan)
+    stepped = apply_policy(_plan_policy(loaded), step)
+    if args is None:
+        if loaded.host_groups:
+            from hloopt.errors import UserError
+
+            raise UserError(f"the plan puts argument groups in host memory ({', '.join(loaded.host_groups)}): "
+                            "give the step's arguments, hloopt.apply_plan(plan, step, args)")
+        return stepped
+    from hloopt.state import apply_state_plan
+
+    placement = {s.group: ("host" if s.placement in ("host", "host-compute") else "device") for s in loaded.state}
+    return apply_state_plan(placement, functools.wraps(step)(stepped), tuple(args), donate_argnums=donate_argnums)

@@ -254,12 +254,20 @@ def python_snippet(plan: Plan | str | os.PathLike[str]) -> str:
     """
     plan = load_plan(plan)
     lines = _header(plan, "#", "checkpoint policy")
-    lines += [
-        "# use, without editing the model (plan.json is what hloopt plan --out wrote):",
-        "#   with hloopt.use_plan(\"plan.json\"): compiled = jax.jit(step).lower(*args).compile()",
-        "#   step = hloopt.apply_plan(\"plan.json\", step)   # takes the plan whenever it is traced",
-        "# or paste the policy below into your own jax.checkpoint(layer_fn, policy=policy)",
-    ]
+    if plan.host_groups:
+        lines += [
+            "# use, without editing the model (plan.json is what hloopt plan --out wrote); the plan puts",
+            "# argument groups in host memory, so apply_plan takes the step's arguments and places them:",
+            "#   step, args = hloopt.apply_plan(\"plan.json\", step, args)",
+            "# or paste the policy below into your own jax.checkpoint(layer_fn, policy=policy)",
+        ]
+    else:
+        lines += [
+            "# use, without editing the model (plan.json is what hloopt plan --out wrote):",
+            "#   with hloopt.use_plan(\"plan.json\"): compiled = jax.jit(step).lower(*args).compile()",
+            "#   step = hloopt.apply_plan(\"plan.json\", step)   # takes the plan whenever it is traced",
+            "# or paste the policy below into your own jax.checkpoint(layer_fn, policy=policy)",
+        ]
     from hloopt.policy_override import remat3_enabled
 
     limits = remat3_limits(plan) if remat3_enabled() else None

@@ -112,6 +112,9 @@ class Analyzed:
     #: the memory profile the timeline is (hloopt analyze's, for a TPU prediction); None when the
     #: timeline is Liveness's own sum (other platforms)
     memory: Any = None
+    #: the floor with these instructions' buffers off the device as well (argument groups placed
+    #: in host memory, :func:`add_state_candidates`); None where there is no floor
+    floor_without: Callable[[frozenset[str]], list[int]] | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -202,15 +205,20 @@ def _analyze_tpu_prediction(module: Module, profile: DeviceProfile, *, source: s
         residuals = residuals.with_names(dict(names))
     inputs: frozenset[str] = getattr(names, "checkpoint_inputs", frozenset())
     floor = None
+    floor_without = None
     if mem.on_chip_timeline_bytes is not None:
         # libtpu reports the larger of its HBM and VMEM heaps, and an offload lowers only the
         # first: the VMEM side with every residual off the device is counted whatever the plan
-        off = am.get(peak_memory_pass(settings, on_chip_bytes=on_chip,
-                                      off_device=frozenset(r.inst.name for r in residuals)))
-        # (capped by the timeline: without the residuals XLA's buffer assigner may leave other
-        # temporaries outside the output allocations, whose VMEM side can then be higher)
-        floor = [min(f, t) for f, t in zip(ranges.entry_timeline(off.on_chip_timeline_bytes or []), timeline)]
-    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor, fused, mem)
+        def floor_without(names: frozenset[str]) -> list[int]:
+            off = am.get(peak_memory_pass(settings, on_chip_bytes=on_chip,
+                                          off_device=frozenset(r.inst.name for r in residuals) | names))
+            # (capped by the timeline: without the residuals XLA's buffer assigner may leave other
+            # temporaries outside the output allocations, whose VMEM side can then be higher)
+            return [min(f, t) for f, t in zip(ranges.entry_timeline(off.on_chip_timeline_bytes or []), timeline)]
+
+        floor = floor_without(frozenset())
+    return Analyzed(module, source, timeline, host, step_s, residuals, ranges, cost, inputs, floor, fused, mem,
+                    floor_without)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,6 +394,178 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         prefetch_window_steps=prefetch_window_steps, device=profile.name, notes=notes,
     )
     return problem, smap
+
+
+def _group_of(op_name: str, groups: Sequence[Any]) -> Any:
+    """The state group whose name prefixes an entry parameter's ``op_name`` (JAX writes each
+    argument leaf's path there: ``opt_state[0].mu[3]``), None when no group does."""
+    for g in groups:
+        if op_name == g.name or (op_name.startswith(g.name) and op_name[len(g.name)] in "[."):
+            return g
+    return None
+
+
+#: key of the candidate standing for the optimizer's state and update (:func:`add_state_candidates`)
+OPTIMIZER_KEY = "state:optimizer"
+
+#: why argument groups stay on device on TPU: libtpu's own figures (tests/test_state.py)
+TPU_STATE_EVIDENCE = (
+    "on TPU libtpu brings a host group to the device whole, and lands a host computation's outputs in "
+    "device memory: neither lowers the peak (wide AdamW, libtpu 0.0.42 and 0.0.50: 520 MB as written, "
+    "571 MB with mu and nu in host memory, 739 MB with the update on the host)")
+
+
+def add_state_candidates(an: Analyzed, problem: Problem, smap: StepMap, groups: Sequence[Any], *,
+                         outputs: Mapping[str, Sequence[int]] | None = None,
+                         host_budget_bytes: int | None = None, host: Any = None,
+                         elements: Mapping[str, tuple[int, int]] | None = None, host_share: int = 1,
+                         device_kind: str = "gpu") -> Problem:
+    """``problem`` with the step's argument groups that it updates (:func:`hloopt.state.state_groups`)
+    as candidates (``Candidate.state``): the search decides them with the residuals, against the
+    same budget, and the one simulator replays them.
+
+    * A group the differentiated computation reads (parameters: read by an op JAX names
+      ``jvp(...)``) is one candidate: DEVICE, or OFFLOAD (kept in host memory, ``pinned_host``,
+      and brought to the device before its first read).
+    * The groups only the rest of the step reads (the optimizer's moments and count) are ONE
+      candidate, ``state:optimizer``: DEVICE; OFFLOAD (all in host memory,
+      brought to the device for the update, MaxText's ``optimizer_memory_host_offload``); or
+      REMAT, which for this candidate means *the update computed on the host*
+      (``hloopt.state.on_host``, JAX's ``compute_on("device_host")``): the state never reaches the
+      device (``remat_transient``), and the step gains the host's time for the update (an AdamW
+      roofline on the ``host`` profile over the parameter groups' elements, ``elements``: per
+      group its element count and element bytes; :func:`hloopt.hosts.optimizer_update_host_s`)
+      times ``host_share`` (the accelerators one host serves update at once, each at that share of
+      its cores and DRAM), plus the gradients' copy out and the
+      new parameters' copy in over the link. The device's own update time is not taken off
+      (the update's device temporaries stay in the base): both sides err towards the device.
+
+    A group's bytes are its entry parameters' buffers as the timeline counts them (tiled, per
+    device), and the buffers of its updated values among the module's outputs (``outputs``: the
+    root tuple indices of each group's updated leaves) where the timeline holds them for the
+    whole step (libtpu's accounting allocates outputs for the whole program; a donated
+    argument's update is its parameter's buffer, counted once). Its instance spans the step; the
+    base takes it off, and the floor (libtpu's VMEM side, which counts arguments and outputs too)
+    leaves it out, the simulator adding it back while on the device. Candidates over
+    ``host_budget_bytes`` cannot go to the host and are left out. Input data that is not updated
+    (the batch) is not a candidate: it arrives every step anyway.
+
+    On TPU (``device_kind == "tpu"``) the candidates stay on device, with the reason in the
+    problem's notes: libtpu (0.0.42 and 0.0.50, compiled here deviceless) brings a host group to
+    the device whole and early, and lands a host computation's outputs in device memory, so
+    neither lowers the peak (wide AdamW, :data:`TPU_STATE_EVIDENCE`)."""
+    module = an.module
+    entry = module.entry
+    assert entry is not None
+    lr = an.ranges
+    last = len(problem.steps) - 1
+    found: dict[str, list[Instruction]] = {}
+    for p_inst in entry.parameters:
+        g = _group_of(p_inst.metadata.op_name, groups)
+        if g is not None and g.updated:
+            found.setdefault(g.name, []).append(p_inst)
+    root = entry.root
+    # (group, bytes, first read (entry index), buffers, read by the differentiated forward pass)
+    measured: list[tuple[str, int, int, set[int], bool]] = []
+    for g in groups:
+        params = found.get(g.name)
+        if not params:
+            continue
+        nbytes, reads, seen, differentiated = 0, [], set(), False
+        for p_inst in params:
+            try:
+                b = lr.aliasing.buffer_at(p_inst, ())
+            except (KeyError, IndexError):
+                continue
+            start, _, size = an.counted(b.id)
+            if start < 0 or size == 0 or b.id in seen:
+                continue
+            seen.add(b.id)
+            nbytes += size
+            flat = _storage_reads(an, p_inst)
+            reads += [lr.entry_step[t] for t in flat]
+            # JAX names what value_and_grad / grad linearize "jvp(...)": a group read there is
+            # differentiated (parameters); the optimizer's state is read only outside it
+            differentiated = differentiated or any("jvp(" in lr.steps[t].metadata.op_name for t in flat)
+        for k in (outputs or {}).get(g.name, ()):
+            if root is None or not root.shape.is_tuple:
+                break
+            try:
+                b = lr.aliasing.buffer_at(root, (k,))
+            except (KeyError, IndexError):
+                continue
+            start, end, size = an.counted(b.id)
+            whole = start == 0 and end == len(lr.steps) - 1
+            if b.id in seen or not whole or size == 0 or b.parameter >= 0:
+                continue
+            seen.add(b.id)
+            nbytes += size
+        if nbytes and reads:
+            measured.append((g.name, nbytes, min(reads), seen, differentiated))
+
+    candidates = list(problem.candidates)
+    total = 0
+    off_buffers: set[int] = set()
+    tpu = device_kind == "tpu"
+    notes = dict(problem.notes)
+    forward = [m for m in measured if m[4]]
+    optimizer = [m for m in measured if not m[4]]
+    for name, nbytes, first, seen, _ in forward:
+        if host_budget_bytes is not None and nbytes > host_budget_bytes:
+            continue
+        candidates.append(Candidate(
+            key=f"state:{name}", name=None, selector=f"argument group {name}",
+            instances=(Instance(nbytes, 0, 0, smap.at(first), last),),
+            allowed=frozenset({Action.DEVICE} if tpu else {Action.DEVICE, Action.OFFLOAD}), source=name,
+            shape="argument group", state=name))
+        if tpu:
+            notes[f"kept:state:{name}"] = TPU_STATE_EVIDENCE
+        total += nbytes
+        off_buffers |= seen
+    opt_bytes = sum(m[1] for m in optimizer)
+    if optimizer and (host_budget_bytes is None or opt_bytes <= host_budget_bytes):
+        allowed = {Action.DEVICE, Action.OFFLOAD}
+        remat_s = 0.0
+        sizes = [(elements or {}).get(m[0], (0, 4)) for m in forward]
+        params_elements = sum(n for n, _ in sizes)
+        param_bytes = max((b for _, b in sizes), default=4)
+        if tpu:
+            allowed = {Action.DEVICE}
+            notes[f"kept:{OPTIMIZER_KEY}"] = TPU_STATE_EVIDENCE
+        elif host is not None and params_elements > 0:
+            from hloopt.hosts import optimizer_update_host_s
+
+            moved = sum(n * b for n, b in sizes)  # gradients out, new parameters in
+            remat_s = (optimizer_update_host_s(host, params_elements, param_bytes) * max(1, host_share)
+                       + moved / max(problem.d2h_bytes_per_s, 1.0) + moved / max(problem.h2d_bytes_per_s, 1.0)
+                       + 2 * problem.transfer_latency_s)
+            allowed.add(Action.REMAT)
+        names = ", ".join(m[0] for m in optimizer)
+        candidates.append(Candidate(
+            key=OPTIMIZER_KEY, name=None, selector=f"optimizer state ({names})",
+            instances=(Instance(opt_bytes, 0, 0, smap.at(min(m[2] for m in optimizer)), last),),
+            allowed=frozenset(allowed), remat_s=remat_s, source=names, shape="optimizer state",
+            remat_transient=Action.REMAT in allowed, state=names))
+        total += opt_bytes
+        for m in optimizer:
+            off_buffers |= m[3]
+    if len(candidates) == len(problem.candidates):
+        return problem
+    notes.update({f"state-bytes:{m[0]}": str(m[1]) for m in measured})
+    steps = tuple(dataclasses.replace(s, base_bytes=s.base_bytes - total) for s in problem.steps)
+    if an.floor_without is not None:
+        # the floor leaves the groups out: the simulator counts them on its side while on device
+        low = an.floor_without(frozenset(i.name for bid in off_buffers for i, _ in lr.buffers[bid].values))
+        steps = tuple(dataclasses.replace(s, floor_bytes=low[e])
+                      for e in range(len(smap.first)) for s in steps[smap.first[e]: smap.first[e] + smap.count[e]])
+    return dataclasses.replace(problem, steps=steps, candidates=tuple(candidates), notes=notes)
+
+
+def host_bytes_of(problem: Problem, decisions: Decisions) -> int:
+    """Host memory a plan fills: every offloaded candidate's bytes at once (an upper bound for
+    residuals, which are on the host only between their copy out and their last read; exact for
+    argument groups, which live there for the whole step)."""
+    return sum(c.bytes for c in problem.candidates if decisions.action(c.key) == Action.OFFLOAD)
 
 
 def candidate_groups(residuals: Any) -> dict[str, list[Any]]:
@@ -757,14 +937,21 @@ def _reason(c: Candidate, action: Action, problem: Problem) -> str:
 def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceProfile, *,
               budget_spec: str | None, budget_bytes: int | None, mode: str, decisions: Decisions,
               result: SimResult, baseline: SimResult, solver: Mapping[str, Any],
-              pareto: Sequence[Any] | None = None) -> Any:
-    from hloopt.plan import Bounds, Budget, Decision, ParetoPoint, Plan, Predicted, Selector, SolverInfo
+              pareto: Sequence[Any] | None = None, host_budget_bytes: int | None = None) -> Any:
+    from hloopt.plan import Bounds, Budget, Decision, ParetoPoint, Plan, Predicted, Selector, SolverInfo, StateDecision
     from hloopt.simulator import lower_bound_peak, lower_bound_time
 
     groups = candidate_groups(an.residuals)
     decs = []
+    state = []
     for c in problem.candidates:
         a = decisions.action(c.key)
+        if c.state is not None:
+            where = {Action.OFFLOAD: "host", Action.REMAT: "host-compute"}.get(a, "device")
+            for g in c.state.split(", "):
+                size = int(problem.notes.get(f"state-bytes:{g}", c.bytes))
+                state.append(StateDecision(group=g, placement=where, bytes=size, reason=_state_reason(c, a, problem)))
+            continue
         if c.name:
             sel = Selector.by_name(c.name)
         else:
@@ -790,17 +977,37 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
             ParetoPoint(peak_bytes=p.peak_bytes, step_time_s=p.step_time_s,
                         actions={k: v.value for k, v in sorted(p.decisions.actions.items())})
             for p in pareto),
+        state=tuple(state), host_budget_bytes=host_budget_bytes if state else None,
     )
+
+
+def _state_reason(c: Candidate, action: Action, problem: Problem) -> str:
+    from hloopt.units import format_seconds
+
+    per = c.instances[0]
+    move_s = 2 * problem.transfer_latency_s + per.bytes / max(problem.d2h_bytes_per_s, 1.0) \
+        + per.bytes / max(problem.h2d_bytes_per_s, 1.0)
+    if action == Action.OFFLOAD:
+        return (f"in host memory until step {per.first_backward_use} reads it: frees {c.bytes} B before; "
+                f"in and out {format_seconds(move_s)}")
+    if action == Action.REMAT:
+        return (f"optimizer update computed on the host: {c.bytes} B of state never on the device; "
+                f"adds {format_seconds(c.remat_s)} (host update, gradients out, parameters in)")
+    if f"kept:{c.key}" in problem.notes:
+        return problem.notes[f"kept:{c.key}"]
+    return f"kept on device (moving it in and out would take {format_seconds(move_s)})"
 
 
 def analyze_target(tgt: Any, profile: DeviceProfile, *, platform: str | None = None,
                    compile: str | None = None, progress: Progress = _no_progress,
-                   base_policy: Any = None) -> tuple[Analyzed, Problem]:
+                   base_policy: Any = None, state: bool = False,
+                   host_budget_bytes: int | None = None, host: str | None = None) -> tuple[Analyzed, Problem]:
     """The analyses and the Problem ``plan`` searches, for a resolved TARGET.
 
     A JAX target is lowered with every residual saved (``base_policy``: with what that policy
     saves, the rest recomputed), its residuals named by re-lowering with one-name policies and
-    its primitive rules probed; an HLO target is parsed as it is.
+    its primitive rules probed; an HLO target is parsed as it is. ``state``: the step's argument
+    groups that it updates are candidates too (:func:`add_state_candidates`; a JAX target).
     """
     names: dict[str, str] = {}
     if tgt.kind == "jax":
@@ -819,7 +1026,7 @@ def analyze_target(tgt: Any, profile: DeviceProfile, *, platform: str | None = N
         source = "hlo"
     with progress("analyzing memory, residuals and costs"):
         an = analyze_module(module, profile, source=source, names=names)
-        problem, _ = build_problem(an, profile)
+        problem, smap = build_problem(an, profile)
     if not problem.candidates:
         raise UserError(f"{tgt.name}: found no forward->backward residuals to offload "
                         "(is this a training step with a backward pass?)")
@@ -830,7 +1037,57 @@ def analyze_target(tgt: Any, profile: DeviceProfile, *, platform: str | None = N
         if profile.kind == "tpu" and compile is None and (platform or "tpu") == "tpu":
             with progress("checking recomputation inside scanned layers against the memory model"):
                 problem = loop_remat_on_the_model(tgt, problem)
+    if state:
+        if tgt.kind != "jax":
+            raise UserError(f"{tgt.name}: placing the step's arguments needs a JAX TARGET (file.py:factory), "
+                            f"not a {tgt.kind} file")
+        from hloopt.hosts import load_host_profile
+
+        groups, outputs, elements = state_layout(tgt)
+        host_profile = load_host_profile(host) if host is not None else None
+        # accelerators sharing one host: its memory over the device profile's host memory per chip
+        # (tpu-v5e: 512 GiB host DRAM, 64 GiB per chip -> 8)
+        share = max(1, round(host_profile.host_memory_bytes / profile.host_memory_bytes)) \
+            if host_profile is not None and profile.host_memory_bytes else 1
+        problem = add_state_candidates(an, problem, smap, groups, outputs=outputs,
+                                       host_budget_bytes=host_budget_bytes, elements=elements,
+                                       host=host_profile, host_share=share, device_kind=profile.kind)
     return an, problem
+
+
+def state_layout(tgt: Any) -> tuple[tuple[Any, ...], dict[str, list[int]], dict[str, tuple[int, int]]]:
+    """The step's argument groups (:func:`hloopt.state.state_groups`); per group, the indices of
+    its updated leaves among the step's flattened outputs (the lowered module's root tuple); and
+    per group its element count and largest element size in bytes."""
+    import functools
+
+    import jax
+    from jax.tree_util import SequenceKey, keystr
+
+    from hloopt.state import state_groups
+
+    step = functools.partial(tgt.step_fn, **dict(tgt.kwargs)) if tgt.kwargs else tgt.step_fn
+    args = tuple(tgt.args)
+    groups = state_groups(tgt.step_fn, args)
+    by_leaf = {(g.argnum, leaf): g.name for g in groups if g.updated for leaf in g.leaves}
+    outputs: dict[str, list[int]] = {}
+    leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(step, *args))[0]
+    for k, (path, _) in enumerate(leaves):
+        if path and isinstance(path[0], SequenceKey):
+            name = by_leaf.get((path[0].idx, keystr(path[1:])))
+            if name is not None:
+                outputs.setdefault(name, []).append(k)
+    import numpy as np
+
+    elements: dict[str, tuple[int, int]] = {}
+    for i, arg in enumerate(args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            name = by_leaf.get((i, keystr(path)))
+            if name is None or not hasattr(leaf, "shape"):
+                continue
+            n, b = elements.get(name, (0, 0))
+            elements[name] = (n + int(np.prod(leaf.shape, dtype=np.int64)), max(b, np.dtype(leaf.dtype).itemsize))
+    return groups, outputs, elements
 
 
 #: the memory model's peak of a target lowered with nothing saved, per live Target (plan and
@@ -888,27 +1145,57 @@ def loop_remat_on_the_model(tgt: Any, problem: Problem) -> Problem:
 def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None,
          max_slowdown: float | None = None, pareto: bool = False, platform: str | None = None,
          compile: str | None = None, solver: str = "auto", time_limit_s: float = 10.0,
-         size: str | None = None, progress: Progress = _no_progress) -> PlanOutcome:
-    """Run the whole pipeline on a TARGET (see the module docstring)."""
+         size: str | None = None, progress: Progress = _no_progress, state: bool = False,
+         host_budget: str | None = None, host: str | None = None) -> PlanOutcome:
+    """Run the whole pipeline on a TARGET (see the module docstring).
+
+    ``state``: the step's argument groups it updates (parameters, optimizer state) are placed
+    with the residuals, in one search, under ``budget`` on the device and ``host_budget`` on the
+    host (bytes or a size such as ``"64GiB"``; default the device profile's host memory per
+    chip): a plan whose offloads fill more host memory than that is searched again without its
+    largest offloaded candidate, until it fits. ``host``: the host CPU profile that times an
+    optimizer update computed on the host (:mod:`hloopt.hosts`; default
+    :data:`hloopt.hosts.DEFAULT_HOST`)."""
     from hloopt.search import search
     from hloopt.simulator import simulate
     from hloopt.targets import Target, resolve
 
     tgt = target if isinstance(target, Target) else resolve(target, size=size)
     as_written = None
-    an, problem = analyze_target(tgt, profile, platform=platform, compile=compile, progress=progress)
+    host_budget_bytes = None
+    if state:
+        from hloopt.units import parse_bytes
+
+        host_budget_bytes = parse_bytes(host_budget) if host_budget is not None else profile.host_memory_bytes
+    elif host_budget is not None:
+        raise UserError("--host-budget applies to plans that place the step's arguments (--state)")
+    if state and host is None:
+        from hloopt.hosts import DEFAULT_HOST
+
+        host = DEFAULT_HOST
+    an, problem = analyze_target(tgt, profile, platform=platform, compile=compile, progress=progress,
+                                 state=state, host_budget_bytes=host_budget_bytes, host=host)
     baseline = simulate(problem, Decisions.all_device())
     budget_bytes, mode = resolve_mode(budget, max_slowdown, pareto, baseline.peak_bytes)
     t0 = time.perf_counter()
-    with progress(f"searching {len(problem.candidates)} candidates"):
-        try:
-            sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,
-                        solver=solver, time_limit_s=time_limit_s)
-        except InfeasibleBudget as err:
-            hint = unmovable_residuals_line(an.residuals, imports=_imports(tgt))
-            if hint is None:
-                raise
-            raise InfeasibleBudget(f"{err}; {hint}") from err
+    for _ in range(len(problem.candidates) + 1):
+        with progress(f"searching {len(problem.candidates)} candidates"):
+            try:
+                sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,
+                            solver=solver, time_limit_s=time_limit_s)
+            except InfeasibleBudget as err:
+                hint = unmovable_residuals_line(an.residuals, imports=_imports(tgt))
+                if hint is None:
+                    raise
+                raise InfeasibleBudget(f"{err}; {hint}") from err
+        if host_budget_bytes is None or host_bytes_of(problem, sr.plan.decisions) <= host_budget_bytes:
+            break
+        # over the host budget: the largest offloaded candidate stays off the host, search again
+        worst = max((c for c in problem.candidates if sr.plan.decisions.action(c.key) == Action.OFFLOAD),
+                    key=lambda c: (c.bytes, c.key))
+        problem = dataclasses.replace(problem, candidates=tuple(
+            dataclasses.replace(c, allowed=c.allowed - {Action.OFFLOAD}) if c.key == worst.key else c
+            for c in problem.candidates))
     chosen = sr.plan
     decisions = chosen.decisions
     result = simulate(problem, decisions)
@@ -923,12 +1210,18 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                        "time_s": round(time.perf_counter() - t0, 3)}
         return make_plan(tgt.name, an, problem, profile, budget_spec=budget, budget_bytes=budget_bytes,
                          mode=mode, decisions=decisions, result=result, baseline=baseline,
-                         solver=solver_info, pareto=list(sr.pareto) if pareto else None)
+                         solver=solver_info, pareto=list(sr.pareto) if pareto else None,
+                         host_budget_bytes=host_budget_bytes)
 
     plan_obj = build(problem, decisions, result)
     searched = problem
     settle_note = None
-    if (budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
+    hosted = [c.key for c in problem.candidates if c.state is not None and decisions.action(c.key) != Action.DEVICE]
+    if hosted:
+        # the check below re-lowers the step with the plan's policy only (argument placements are
+        # applied by hloopt.apply_plan(plan, step, args)); on TPU no group leaves the device
+        pass
+    elif (budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
             and compile is None and an.memory is not None):
         with progress("checking the plan against the memory model (re-lowering with its policy)"):
             plan_obj, decisions, result, problem, settle_note = _settle_on_the_model(

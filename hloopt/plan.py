@@ -8,7 +8,9 @@ a frozen dataclass tree with one JSON form:
      "budget": {"spec": "75%", "bytes": N} | null, "mode": "budget"|"max-slowdown"|"pareto",
      "decisions": [{"key", "name", "selector", "action", "bytes", "layers", "shape", "reason",
                     "source", "values"}, ...],
-     "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null}
+     "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null,
+     "state": [{"group", "placement", "bytes", "reason"}, ...], "host_budget_bytes": N}
+                                            (the last two only when argument groups were planned)
 
 Algorithm: :meth:`Plan.to_json` writes keys sorted, floats rounded to :data:`FLOAT_DIGITS`
 significant digits, decisions in the order given and no timestamps or timings (the solver's
@@ -40,7 +42,7 @@ from hloopt.errors import UserError
 
 __all__ = [
     "ACTIONS", "Bounds", "Budget", "Decision", "MODES", "ParetoPoint", "Plan", "Predicted",
-    "SCHEMA", "SCHEMA_VERSION", "Selector", "SolverInfo",
+    "SCHEMA", "SCHEMA_VERSION", "Selector", "SolverInfo", "StateDecision",
 ]
 
 SCHEMA_VERSION = 1
@@ -92,6 +94,24 @@ class Selector:
         if self.shape is not None:
             d["shape"] = self.shape
         return d
+
+
+@dataclass(frozen=True)
+class StateDecision:
+    """Where one group of the step's arguments lives (:mod:`hloopt.state`): ``device`` or ``host``
+    (``pinned_host``, brought to the device around its use and written back updated)."""
+
+    #: the group's name (``opt_state[0].mu``)
+    group: str
+    #: "device"; "host" (in host memory, brought to the device around its use); "host-compute"
+    #: (the optimizer state, in host memory, updated on the host: ``hloopt.state.on_host``)
+    placement: str
+    #: device bytes of the group (its arguments and its updated outputs, as the timeline counts them)
+    bytes: int
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group": self.group, "placement": self.placement, "bytes": self.bytes, "reason": self.reason}
 
 
 @dataclass(frozen=True)
@@ -199,6 +219,20 @@ class Plan:
     solver: SolverInfo
     pareto: tuple[ParetoPoint, ...] | None = None
     schema: str = SCHEMA
+    #: placements of the step's argument groups (``hloopt plan --state``); empty: not planned
+    state: tuple[StateDecision, ...] = ()
+    #: the host memory the plan may fill (bytes), when state was planned
+    host_budget_bytes: int | None = None
+
+    @property
+    def host_groups(self) -> list[str]:
+        """Argument groups the plan puts in host memory (placed there, or updated there)."""
+        return [s.group for s in self.state if s.placement in ("host", "host-compute")]
+
+    @property
+    def host_update(self) -> bool:
+        """Whether the plan computes the optimizer update on the host."""
+        return any(s.placement == "host-compute" for s in self.state)
 
     def __post_init__(self) -> None:
         # Constructed in code (by the pipeline) the same checks as a loaded file apply.
@@ -242,6 +276,9 @@ class Plan:
             "pareto": None if self.pareto is None else [
                 {"peak_bytes": p.peak_bytes, "step_time_s": p.step_time_s, "actions": dict(p.actions)}
                 for p in self.pareto],
+            # written only when planned, so plans without state keep their bytes
+            **({"state": [s.to_dict() for s in self.state], "host_budget_bytes": self.host_budget_bytes}
+               if self.state else {}),
         }
 
     def to_json(self) -> str:
@@ -476,10 +513,18 @@ def _parse_plan(data: Any, origin: str) -> Plan:
             points.append(ParetoPoint(peak_bytes=pr.int("peak_bytes"), step_time_s=pr.num("step_time_s"),
                                       actions=dict(acts)))
         pareto = tuple(points)
+    state = []
+    for i, s_raw in enumerate(r.list("state", optional=True) or []):
+        sr = _Reader(origin, f"state[{i}]", s_raw)
+        state.append(StateDecision(group=sr.str("group"),
+                                   placement=sr.one_of("placement", ("device", "host", "host-compute")),
+                                   bytes=sr.int("bytes"), reason=sr.str("reason", default="")))
+    host_budget = r.int("host_budget_bytes", nullable=True) if "host_budget_bytes" in r.obj else None
     try:
         return Plan(target=r.str("target"), module=r.str("module"), device=device, budget=budget,
                     mode=r.one_of("mode", MODES), decisions=tuple(decisions), predicted=predicted,
-                    bounds=bounds, solver=solver, pareto=pareto, schema=SCHEMA)
+                    bounds=bounds, solver=solver, pareto=pareto, schema=SCHEMA, state=tuple(state),
+                    host_budget_bytes=host_budget)
     except UserError as err:
         raise UserError(str(err).replace("<plan>", origin, 1)) from None
 

@@ -104,6 +104,16 @@ class Candidate:
     #: and recompute them (backward), held by those iterations' own working set (the steps'
     #: base): not counted apart from it (set where the memory model says so).
     remat_transient: bool = False
+    #: A group of the step's arguments (parameters, optimizer state: :mod:`hloopt.state`) rather
+    #: than residuals: its one instance is the group's device bytes from the step's start
+    #: (``produced`` 0, no forward use) to its end, first read at ``first_backward_use`` (the
+    #: optimizer update, for optimizer state). OFFLOAD keeps the group in host memory
+    #: (``pinned_host``) and brings it to the device before that read, as libtpu does (the whole
+    #: group at once); its updated value goes back to the host after the step's last read. The
+    #: simulator moves the same bytes over the link each way (a copy out at the start stands for
+    #: the write-back of the update at the end). No checkpoint policy selects it: ``name`` is
+    #: None and ``primitive`` empty, so every policy anchor leaves it on device.
+    state: str | None = None
 
     @property
     def bytes(self) -> int:

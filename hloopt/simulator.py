@@ -41,7 +41,8 @@ Model (times in seconds, steps run in schedule order)::
   holds). Where the two intervals touch or
   overlap, the instance counts once (their union). An OFFLOAD instance with
   ``first_backward_use <= last_forward_use`` moves nothing and stays on device.
-* Memory at step ``t`` = ``max(base_bytes[t] + live instance bytes, floor_bytes[t])`` (live
+* Memory at step ``t`` = ``max(base_bytes[t] + live instance bytes, floor_bytes[t] + live argument
+  group bytes)`` (live
   bytes summed with numpy difference arrays; the floor is the side of libtpu's accounting no
   decision lowers, 0 when there is none). Step time = end of the last step = compute time + exposed transfer time.
 
@@ -89,6 +90,8 @@ class _Arrays:
     remat_fused: np.ndarray  # bool [N]
     #: per instance: its candidate's ``remat_transient``
     remat_transient: np.ndarray  # bool [N]
+    #: per instance: its candidate is an argument group (``Candidate.state``)
+    state: np.ndarray  # bool [N]
     #: Row ranges of each candidate in the flat arrays.
     starts: np.ndarray  # int64 [C+1]
     key_index: dict[str, int]
@@ -123,6 +126,7 @@ def _arrays(problem: Problem) -> _Arrays:
         remat_fused=np.fromiter((problem.candidates[r[0]].remat_fused for r in rows), dtype=bool, count=len(rows)),
         remat_transient=np.fromiter((problem.candidates[r[0]].remat_transient for r in rows), dtype=bool,
                                     count=len(rows)),
+        state=np.fromiter((problem.candidates[r[0]].state is not None for r in rows), dtype=bool, count=len(rows)),
         starts=starts,
         key_index={c.key: i for i, c in enumerate(problem.candidates)},
     )
@@ -227,7 +231,18 @@ def _lower_bound_timeline(problem: Problem) -> np.ndarray:
     hi1 = np.where(never, -1, np.where(movable, a.lfu, a.last_use))
     hi2 = np.where(movable & ~gone, a.last_use, -1)
     return np.maximum(a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes),
-                      a.floor_bytes)
+                      _floor(a, T, lo1, hi1, lo2, hi2))
+
+
+def _floor(a: _Arrays, T: int, lo1: np.ndarray, hi1: np.ndarray, lo2: np.ndarray, hi2: np.ndarray) -> np.ndarray:
+    """The floor side of each step (``Step.floor_bytes``) plus the argument groups' instances live
+    on the device: libtpu counts arguments and outputs on both of its heaps' sides, so an argument
+    group in host memory lowers both (the problem's floor leaves them out)."""
+    st = a.state
+    if not st.any() or not a.floor_bytes.any():
+        return a.floor_bytes
+    w = a.bytes[st]
+    return a.floor_bytes + _interval_sum(T, lo1[st], hi1[st], w) + _interval_sum(T, lo2[st], hi2[st], w)
 
 
 def instance_intervals(problem: Problem) -> list[tuple[str, int, int, int, int, int]]:
@@ -445,13 +460,15 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
     lo2[split] = a.fbu[split]
     hi2[split] = a.last_use[split]
     if len(offl):
-        hi1[offl] = np.maximum(a.lfu[offl], d2h_end_step)
+        # an argument group in host memory is not on the device before its reload: its copy out
+        # (the previous step's write-back of its update) uses the link, not device memory
+        hi1[offl] = np.where(a.state[offl], -1, np.maximum(a.lfu[offl], d2h_end_step))
         lo2[offl] = h2d_start_step
     hi2[(code == 2) & (a.remat_fused | a.remat_transient)] = -1  # recomputed inside each reader: never stored again
     hi1[(code == 2) & a.remat_transient] = -1  # a temporary of its iteration, which the base holds
     lo2 = np.maximum(lo2, hi1 + 1)
     timeline = np.maximum(a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes),
-                          a.floor_bytes)
+                          _floor(a, T, lo1, hi1, lo2, hi2))
 
     step_time = float(S[T]) if T else 0.0
     peak_step = int(np.argmax(timeline)) if T else 0

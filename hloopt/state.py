@@ -286,11 +286,17 @@ def on_host(fn: Callable[..., Any]) -> Callable[..., Any]:
     from jax.experimental.compute_on import compute_on
 
     jitted = jax.jit(fn)
+    # jax <= 0.11: compute_on("device_host") is a context manager around the call; jax 0.12 made
+    # it a function transformation that says where its outputs live (out_memory_spaces)
+    new_api = "out_memory_spaces" in inspect.signature(compute_on).parameters
+    transform: Any = compute_on  # typed for one of the two signatures
 
     @functools.wraps(fn)
     def wrapped(*xs: Any) -> Any:
         hosted = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host) if _is_array(x) else x, xs)
-        with compute_on("device_host"):
+        if new_api:
+            return transform(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)(*hosted)
+        with transform("device_host"):
             return jitted(*hosted)
 
     return wrapped

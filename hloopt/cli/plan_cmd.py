@@ -34,10 +34,18 @@ from hloopt.cli.params import Percent, check_output, device_options, profile_fro
 @click.option("--force", is_flag=True, help="Overwrite files hloopt did not write.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON only.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
+@click.option("--state", "plan_state", is_flag=True,
+              help="Also place the step's arguments it updates (parameters, optimizer state) in host memory, "
+                   "or compute the optimizer update on the host, in the same search.")
+@click.option("--host-budget", default=None, help="Host memory the plan may fill (e.g. 64GiB; with --state; "
+              "default: the device profile's host memory per chip).")
+@click.option("--host", "host_profile", default=None,
+              help="Host CPU profile timing a host update (with --state; see hloopt devices --hosts).")
 def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bool, solver: str,
          time_limit_s: float, platform: str | None, compile_target: str | None, size: str | None,
          out_path: str | None, emit_format: str, html_path: str | None, force: bool, as_json: bool,
-         quiet: bool, **device_kw: object) -> int:
+         quiet: bool, plan_state: bool = False, host_budget: str | None = None, host_profile: str | None = None,
+         **device_kw: object) -> int:
     """Plan what to offload (or recompute) so TARGET fits the budget at the least step time."""
     with user_errors():
         from hloopt import pipeline
@@ -46,6 +54,14 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
 
         if budget is not None:
             parse_budget(budget)  # a malformed budget is one line before any work
+        if host_budget is not None:
+            from hloopt.units import parse_bytes
+
+            parse_bytes(host_budget)
+        if host_profile is not None:
+            from hloopt.hosts import load_host_profile
+
+            load_host_profile(host_profile)
         budget_spec = budget
         profile = profile_from_options(**device_kw)  # type: ignore[arg-type]
         check_output(out_path, force=force)  # refuse before minutes of work, and before writing either
@@ -57,7 +73,8 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
 
         outcome = pipeline.plan(target, profile=profile, budget=budget_spec, max_slowdown=max_slowdown,
                                 pareto=pareto, platform=platform, compile=compile_target, solver=solver,
-                                time_limit_s=time_limit_s, size=size, progress=prog)
+                                time_limit_s=time_limit_s, size=size, progress=prog, state=plan_state,
+                                host_budget=host_budget, host=host_profile)
         text = outcome.plan.to_json()
         if out_path:
             from hloopt.fileio import write_text_atomic
@@ -73,6 +90,8 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
             sys.stdout.write(text)
             return 0
         _print_outcome(outcome, console)
+        if outcome.plan.state:
+            _print_state(outcome.plan, console)
         if emit_format == "python":
             from hloopt.emit import python_snippet
 
@@ -87,6 +106,23 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
         if html_path:
             console.print(f"wrote {html_path}")
         return 0
+
+
+def _print_state(plan: object, console: object) -> None:
+    """Where the plan puts each argument group, and how to apply it to the step as written."""
+    from hloopt.units import format_bytes
+
+    console.print("\n[bold]Arguments[/bold] (--state):")  # type: ignore[attr-defined]
+    for s in plan.state:  # type: ignore[attr-defined]
+        click.echo(f"  {s.placement:<12} {s.group:<28} {format_bytes(s.bytes):>10}  {s.reason}")
+    if plan.host_groups and not plan.host_update:  # type: ignore[attr-defined]
+        click.echo("  apply:  step, args = hloopt.apply_plan('plan.json', step, args)   "
+                   "# pinned_host shardings on those arguments and their updates")
+    if plan.host_update:  # type: ignore[attr-defined]
+        click.echo("  apply:  write the optimizer update as  params, opt_state = "
+                   "hloopt.state.on_host(update)(grads, opt_state, params)")
+        click.echo("          and call  step, args = hloopt.apply_plan('plan.json', step, args)  "
+                   "so the optimizer state is a host argument and output")
 
 
 def _print_maxtext(outcome: object, console: object) -> None:
