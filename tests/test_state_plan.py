@@ -197,3 +197,22 @@ def test_libtpu_agrees_that_moving_the_optimizer_state_off_a_tpu_raises_its_peak
     assert updated["host_argument_size_in_bytes"] == pytest.approx(moments, abs=512)
     assert placed["peak_memory_in_bytes"] > written["peak_memory_in_bytes"]
     assert updated["peak_memory_in_bytes"] > written["peak_memory_in_bytes"]
+
+
+def test_html_report_shows_where_each_group_lives(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hloopt.report.adapt import report_data_from_outcome
+    from hloopt.report.html import render_html
+
+    tgt = resolve(TARGET, factory_kwargs=SMALL)
+    h200 = load_profile("h200")
+    an, problem = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480")
+    budget = an.peak_bytes - problem.candidate(OPTIMIZER_KEY).bytes // 2
+    out = plan(tgt, profile=h200, platform="cuda", budget=str(budget), state=True)
+    data = report_data_from_outcome(out)
+    rows = {r.key: r for r in data.residuals if r.key.startswith("state:")}
+    assert {s.group for s in out.plan.state} == {k[len("state:"):] for k in rows}
+    for s in out.plan.state:
+        assert rows[f"state:{s.group}"].action == s.placement and rows[f"state:{s.group}"].bytes == s.bytes
+    assert data.assumptions["argument groups in host memory"] == ", ".join(out.plan.host_groups)
+    html = render_html(data)
+    assert "opt_state[0].mu" in html and "argument groups in host memory" in html

@@ -409,7 +409,10 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
         step_backward=[bool(s.backward) for s in problem.steps],
         live_at_peak=tuple(live),
         residuals=tuple(ResidualRow(d.key, d.name or "", d.shape, d.bytes, d.layers, d.action, d.reason, d.source)
-                        for d in plan.decisions),
+                        for d in plan.decisions)
+        # where the step's argument groups live (plan --state): one row each, their placement as the action
+        + tuple(ResidualRow(f"state:{s.group}", s.group, "argument group", s.bytes, 1, s.placement, s.reason, "")
+                for s in plan.state),
         assumptions={
             "target": f"{plan.target} ({an.source})",
             "plan": f"{plan.mode}" + (f", budget {plan.budget.spec}" if plan.budget else "")
@@ -426,6 +429,11 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
             "DMA engines": str(problem.dma_engines),
             "least peak any policy reaches": format_bytes(plan.bounds.least_peak_bytes),
             "compute": "roofline per instruction (FLOPs / peak rate vs bytes / HBM rate)",
+            **({"host memory the plan may fill": format_bytes(plan.host_budget_bytes),
+                "argument groups in host memory": ", ".join(plan.host_groups) or "none",
+                "optimizer update": "on the host (its time, gradients out and parameters in are in the plan's "
+                                    "step time)" if plan.host_update else "on the device"}
+               if plan.state and plan.host_budget_bytes is not None else {}),
             **({"categories": f"the memory model's split of what is not a residual differs from the Problem's "
                               f"by up to {format_bytes(mismatch)} a step; settled in temporaries first"}
                if mismatch > 0.01 * max(int(outcome.baseline.peak_bytes), 1) else {}),
