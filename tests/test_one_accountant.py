@@ -155,3 +155,24 @@ def test_a_budget_plan_is_within_the_budget_by_the_memory_models_figure_of_the_p
     assert plan.predicted.peak_bytes <= plan.budget.bytes
     assert modeled <= plan.budget.bytes or (outcome.settle_note is not None and
                                             f"{format_bytes(modeled)}" in outcome.settle_note)
+
+
+def _third_party() -> list[str]:
+    from tests.test_thirdparty import LIBRARY
+
+    return list(LIBRARY)
+
+
+@pytest.mark.parametrize("step", _third_party())
+def test_all_device_replay_is_analyzes_prediction_on_third_party_steps(step: str) -> None:
+    """Steps built from model libraries we did not write (fixtures/thirdparty/, tiny sizes),
+    lowered with every residual saved as the planner lowers them: the plan's all-on-device peak is
+    analyze's TPU prediction of the same module, byte for byte."""
+    from hloopt.hlo.printer import print_module
+    from hloopt.targets import resolve
+    from tests.test_thirdparty import load
+
+    load(step)
+    tgt = resolve(f"fixtures/thirdparty/{step}.py:make", size="tiny")
+    module, source = pipeline.lower_for_plan(tgt, PROFILE)
+    check_all_device_replay(print_module(module), f"<{step} {source}>")

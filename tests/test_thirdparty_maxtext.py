@@ -210,3 +210,17 @@ def test_planned_keys_fit_the_budget_with_no_more_flops_than_the_cheapest_preset
     # and the plan recomputes less than every preset that fits and moves nothing to host
     on_device = [fl for fl, h in fitting.values() if h == 0]
     assert on_device and flops <= min(on_device) * (1 + 1e-6), report
+
+
+def test_all_device_replay_is_analyzes_prediction_on_maxtext() -> None:
+    """MaxText's own step (tiny), lowered with every residual saved as the planner lowers it: the
+    plan's all-on-device peak is analyze's TPU prediction of the same module, byte for byte."""
+    from hloopt import pipeline
+    from hloopt.devices import load_profile
+    from hloopt.hlo.printer import print_module
+    from hloopt.targets import resolve
+    from tests.test_one_accountant import check_all_device_replay
+
+    tgt = resolve(str(THIRDPARTY / "maxtext_llama2.py") + ":tiny")
+    module, source = pipeline.lower_for_plan(tgt, load_profile("tpu-v5e"))
+    check_all_device_replay(print_module(module), f"<maxtext tiny {source}>")
