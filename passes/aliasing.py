@@ -100,6 +100,30 @@ class Buffer:
         return f"<Buffer {self.id} {self.instruction.name}{idx} {self.shape} {self.size_bytes}B>"
 
 
+_BUFFER_FIELDS = ("id", "size_bytes", "memory_space", "instruction", "index", "shape", "values", "parameter",
+                  "output_indices")
+(_set_id, _set_size, _set_space, _set_inst, _set_index, _set_shape, _set_values, _set_param,
+ _set_outputs) = (getattr(Buffer, f).__set__ for f in _BUFFER_FIELDS)
+
+
+def _new_buffer(id: int, size_bytes: int, memory_space: int, instruction: Instruction, index: ShapeIndex,
+                shape: Shape, values: tuple[tuple[Instruction, ShapeIndex], ...], parameter: int,
+                output_indices: tuple[ShapeIndex, ...]) -> Buffer:
+    """``Buffer(...)`` without the frozen dataclass's ``object.__setattr__`` per field (the slots'
+    own setters): a training step has tens of thousands of buffers."""
+    buf = object.__new__(Buffer)
+    _set_id(buf, id)
+    _set_size(buf, size_bytes)
+    _set_space(buf, memory_space)
+    _set_inst(buf, instruction)
+    _set_index(buf, index)
+    _set_shape(buf, shape)
+    _set_values(buf, values)
+    _set_param(buf, parameter)
+    _set_outputs(buf, output_indices)
+    return buf
+
+
 @dataclass(eq=False)
 class Aliasing:
     """Result of :class:`BufferAliasing`: the buffers and which buffer each position uses."""
@@ -536,11 +560,8 @@ class _Builder:
             if len(defs) > 1 and not main_shape.on_host and any(inst_of[s].shape.at(index_of[s]).on_host for s in defs):
                 space = HOST_MEMORY_SPACE  # loop state a body writes in host memory (a scan's offloaded stack)
             out = outputs.get(b)
-            buffers.append(Buffer(
-                id=b, size_bytes=size, memory_space=space,
-                instruction=inst_of[main], index=index_of[main], shape=main_shape, values=values,
-                parameter=param_of.get(b, -1), output_indices=tuple(out) if out else (),
-            ))
+            buffers.append(_new_buffer(b, size, space, inst_of[main], index_of[main], main_shape, values,
+                                       param_of.get(b, -1), tuple(out) if out else ()))
         ends = list(self.base.values())[1:] + [n]
         position_buffers = {inst: tuple(bid[base:end]) for (inst, base), end in zip(self.base.items(), ends)}
         return Aliasing(self.module, buffers, comps, position_buffers)

@@ -357,12 +357,24 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
     #: allocation index -> (size, [(start, end, buffer id)]); per buffer id, its allocation
     allocs: list[tuple[int, list[tuple[int, int, int]]]] = []
     alloc_of: dict[int, int] = {}
-    # per allocation its output's live range: a temporary whose range crosses it (not only
-    # touching an end) cannot go there, so the smallest-first search skips those allocations
-    # without looking at what else each holds (training steps have thousands of outputs)
+    # per allocation its output's live range: a temporary whose range crosses the
+    # output's (not only touching an end) cannot go there, so the smallest-first search skips
+    # those allocations without looking at what else each holds (training steps have thousands
+    # of outputs)
     n_out = sum(1 for b in order if b.output_indices and not b.is_tuple_table)
     out_start = np.empty(n_out, dtype=np.int64)
     out_end = np.empty(n_out, dtype=np.int64)
+    out_bid: list[int] = []
+    min_out_end = len(lr.steps)
+    # the temporaries placed so far (range, allocation, buffer id), as arrays: the allocations
+    # one of them blocks for the next temporary are found in one pass over them, instead of
+    # trying allocation after allocation (a layer's temporaries are live together, so each
+    # tried all the allocations its neighbours took first: temporaries x outputs)
+    n_tmp = 0
+    tmp_start = np.empty(len(order), dtype=np.int64)
+    tmp_end = np.empty(len(order), dtype=np.int64)
+    tmp_alloc = np.empty(len(order), dtype=np.int64)
+    tmp_bid: list[int] = []
     absorbed: set[int] = set()
     buffer_at = lr.aliasing.position_buffers
 
@@ -375,23 +387,54 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
             return False
         return any(operand in buffer_at.get(o, ()) for o in inst.operands)
 
+    def compatible(s: int, e: int, bid: int, s2: int, e2: int, other: int) -> bool:
+        # the live ranges do not meet, or meet where one takes the other's buffer as its operand dies
+        if e < s2 or e2 < s:
+            return True
+        return e == s2 and shares_operand(other, bid) or e2 == s and shares_operand(bid, other)
+
     def fits(k: int, b: Buffer) -> bool:
         size, ranges = allocs[k]
         if sizes[b.id] > size:
             return False
         s, e = start[b.id], end[b.id]
-        for s2, e2, other in ranges:
-            if e < s2 or e2 < s:
-                continue
-            if e == s2 and shares_operand(other, b.id) or e2 == s and shares_operand(b.id, other):
-                continue
-            return False
-        return True
+        return all(compatible(s, e, b.id, s2, e2, other) for s2, e2, other in ranges)
+
+    def smallest_open(b: Buffer, m: int) -> int | None:
+        # the last allocation (smallest, latest output) that fits: whose output the temporary
+        # does not cross and none of whose temporaries it meets (the walk over allocations
+        # ``fits`` makes, from the last, answered for all of them at once; every allocation so
+        # far is at least the temporary's size: buffers come largest first)
+        s, e = start[b.id], end[b.id]
+        os_, oe = out_start[:m], out_end[:m]
+        ok = os_ >= e
+        if s >= min_out_end:
+            ok |= oe <= s
+        if not ok.any():
+            return None
+        if n_tmp:
+            ts, te = tmp_start[:n_tmp], tmp_end[:n_tmp]
+            ok[tmp_alloc[np.flatnonzero((ts < e) & (te > s))]] = False  # overlapping, not only touching
+            for j in np.flatnonzero((ts == e) | (te == s)).tolist():  # touching: one may take the other's buffer
+                k = int(tmp_alloc[j])
+                if ok[k] and not compatible(s, e, b.id, int(ts[j]), int(te[j]), tmp_bid[j]):
+                    ok[k] = False
+        touch = os_ == e
+        if s >= min_out_end:
+            touch |= oe == s
+        for k in np.flatnonzero(ok & touch).tolist():
+            if not compatible(s, e, b.id, int(out_start[k]), int(out_end[k]), out_bid[k]):
+                ok[k] = False
+        left = np.flatnonzero(ok)
+        return int(left[-1]) if left.size else None
 
     for b in order:
         if b.output_indices and not b.is_tuple_table:
-            out_start[len(allocs)], out_end[len(allocs)] = start[b.id], end[b.id]
-            alloc_of[b.id] = len(allocs)
+            new = len(allocs)
+            out_start[new], out_end[new] = start[b.id], end[b.id]
+            min_out_end = min(min_out_end, end[b.id])
+            out_bid.append(b.id)
+            alloc_of[b.id] = new
             allocs.append((sizes[b.id], [(start[b.id], end[b.id], b.id)]))
             continue
         if b.output_indices or b.parameter >= 0 or b.is_tuple_table or _is_constant(b):
@@ -405,16 +448,14 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
                         tried[k] = None
         chosen = next((k for k in tried if fits(k, b)), None)
         if chosen is None:
-            s, e, m = start[b.id], end[b.id], len(allocs)
-            open_ = np.flatnonzero((out_start[:m] >= e) | (out_end[:m] <= s))
-            for k in reversed(open_.tolist()):
-                if fits(k, b):
-                    chosen = k
-                    break
+            chosen = smallest_open(b, len(allocs))
         if chosen is not None:
             allocs[chosen][1].append((start[b.id], end[b.id], b.id))
             alloc_of[b.id] = chosen
             absorbed.add(b.id)
+            tmp_start[n_tmp], tmp_end[n_tmp], tmp_alloc[n_tmp] = start[b.id], end[b.id], chosen
+            tmp_bid.append(b.id)
+            n_tmp += 1
     return absorbed
 
 

@@ -172,7 +172,7 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
             bids = at.get(o, ())
             if o.opcode == "parameter":
                 k = 0
-            elif o.opcode in ("tuple", "get-tuple-element") or not any(held[b] for b in bids):
+            elif o.opcode in ("tuple", "get-tuple-element") or not any([held[b] for b in bids]):
                 k = 1
             elif any(buffers[b].output_indices for b in bids):
                 k = 2
@@ -214,13 +214,14 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
         lo = hi = None
         if inst.opcode == "while" and inst in lr.segments:
             lo = hi = lr.segments[inst][0]
-        if inst.opcode not in _NO_PREFETCH and any(held[b] for b in at.get(inst, ())):
+        if inst.opcode not in _NO_PREFETCH and any([held[b] for b in at.get(inst, ())]):
             g = t
             if inst.shape.is_array:
                 dims = inst.shape.dims
                 for o in inst.operands:
                     if kind(o):
-                        for out in behind(o):
+                        outs = outputs_behind.get(o)
+                        for out in behind(o) if outs is None else outs:
                             if out.shape.is_array and out.shape.dims == dims and out in when:
                                 g = min(g, group_first.get(when[out], when[out]))
             group_first[t] = g

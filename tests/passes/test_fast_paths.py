@@ -82,3 +82,15 @@ def test_copy_sets_every_field() -> None:
                 assert got == getattr(inst, slot)
             else:
                 assert got == getattr(ref, slot) or (slot == "control_predecessors" and not got)
+
+
+def test_new_buffer_is_the_dataclass() -> None:
+    import dataclasses
+
+    from hloopt.ir import Shape
+    from hloopt.passes.aliasing import _BUFFER_FIELDS, Buffer, _new_buffer
+
+    assert _BUFFER_FIELDS == tuple(f.name for f in dataclasses.fields(Buffer))
+    args = (3, 512, 5, None, (1,), Shape("f32", (4,)), (), 2, ((0,),))
+    got, ref = _new_buffer(*args), Buffer(*args)  # type: ignore[arg-type]
+    assert [getattr(got, f) for f in _BUFFER_FIELDS] == [getattr(ref, f) for f in _BUFFER_FIELDS]
