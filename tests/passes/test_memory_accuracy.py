@@ -238,3 +238,40 @@ def test_newer_libtpus_host_figure_is_its_allocation_and_ours() -> None:
     assert report.profile.host_bytes == xla["host_temp_size_in_bytes"] == 6 * 32768
     assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=0.005)
     assert report.profile.argument_bytes == xla["argument_size_in_bytes"]
+
+
+#: measured relative error of our peak of libtpu's compiled third-party modules, where > 0.5%
+#: (libtpu 0.0.42, jax 0.10.2, tiny sizes)
+THIRD_PARTY_COMPILED_MISSES = {
+    "levanter_gpt2": "+0.54% (12,152,320 B vs 12,086,784 B: 64 KiB over; not explained yet)",
+}
+
+
+def _third_party_params() -> list[object]:
+    from tests.test_thirdparty import LIBRARY
+
+    out = []
+    for step in LIBRARY:
+        marks = [pytest.mark.slow, pytest.mark.tpu]
+        if step in THIRD_PARTY_COMPILED_MISSES:
+            marks.append(pytest.mark.xfail(strict=True, reason=THIRD_PARTY_COMPILED_MISSES[step]))
+        out.append(pytest.param(step, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("step", _third_party_params())
+def test_third_party_tpu_compiled_peak_within_half_a_percent(step: str) -> None:
+    """Every third-party step (fixtures/thirdparty/, tiny) compiled by libtpu: its module parses
+    and our peak of it is within 0.5% of ``memory_analysis()``'s ``peak_memory_in_bytes``
+    (measured: hf_gpt2, hf_bert, hf_whisper, hf_resnet within 512-1024 B; levanter_llama exact)."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+    from hloopt.targets import resolve
+    from tests.test_thirdparty import load
+
+    load(step)
+    tgt = resolve(f"fixtures/thirdparty/{step}.py:make", size="tiny")
+    lowered = lower(tgt.step_fn, *tgt.args, platform="tpu", compile="tpu-v5e")
+    assert lowered.memory is not None and lowered.compiled_text is not None
+    report = analyze(parse_module(lowered.compiled_text), xla=lowered.memory)
+    assert report.peak_bytes == pytest.approx(lowered.memory["peak_memory_in_bytes"], rel=0.005)
