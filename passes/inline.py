@@ -270,11 +270,30 @@ def _forward_tuple_reads(module: Module) -> Module:
                     if o is not inst.operands[k]:
                         inst.operands[k] = o
                         changed = True
-            while changed:
-                _finish(comp)
-                dead = {i for i in comp.instructions
-                        if not i.users and not i.is_root and i.opcode in ("tuple", "get-tuple-element")}
-                changed = bool(dead)
-                if changed:
-                    comp.instructions = [i for i in comp.instructions if i not in dead]
+            if not changed:
+                continue
+            # tuples and get-tuple-elements left without readers go, and so do those only they
+            # read (one worklist over reader counts, then the indices and users once)
+            uses: dict[Instruction, int] = {}
+            for inst in comp.instructions:
+                for o in inst.operands:
+                    uses[o] = uses.get(o, 0) + 1
+            root = comp.root
+            todo = [i for i in comp.instructions if i.opcode in _TUPLE_READS and i is not root and not uses.get(i)]
+            dead: set[Instruction] = set()
+            while todo:
+                i = todo.pop()
+                if i in dead:
+                    continue
+                dead.add(i)
+                for o in i.operands:
+                    uses[o] -= 1
+                    if not uses[o] and o.opcode in _TUPLE_READS and o is not root:
+                        todo.append(o)
+            if dead:
+                comp.instructions = [i for i in comp.instructions if i not in dead]
+            _finish(comp)
     return module
+
+
+_TUPLE_READS = ("tuple", "get-tuple-element")

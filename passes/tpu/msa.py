@@ -164,11 +164,8 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
     when = lr.time
     #: per instruction: 0 reads stop there (a parameter, collected; a materialized value), 1 a step
     #: reads through it (a tuple, a fused-away producer), 2 through it and joins its fusion (an output)
-    kinds: dict[Instruction, int] = {}
-
-    def kind(o: Instruction) -> int:
-        k = kinds.get(o)
-        if k is None:
+    class Kinds(dict[Instruction, int]):
+        def __missing__(self, o: Instruction) -> int:  # computed on first lookup (a dict read after)
             bids = at.get(o, ())
             if o.opcode == "parameter":
                 k = 0
@@ -178,8 +175,10 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
                 k = 2
             else:
                 k = 0
-            kinds[o] = k
-        return k
+            self[o] = k
+            return k
+
+    kinds = Kinds()
 
     # the held module outputs behind each instruction read through (shared frozensets: most are empty)
     empty: frozenset[Instruction] = frozenset()
@@ -193,7 +192,7 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
                 continue
             if not ready:
                 stack.append((v, True))
-                stack.extend((o, False) for o in v.operands if kind(o) and o not in outputs_behind)
+                stack.extend((o, False) for o in v.operands if kinds[o] and o not in outputs_behind)
                 continue
             parts = [outputs_behind[o] for o in v.operands if o in outputs_behind]
             parts = [x for x in parts if x]
@@ -219,7 +218,7 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
             if inst.shape.is_array:
                 dims = inst.shape.dims
                 for o in inst.operands:
-                    if kind(o):
+                    if kinds[o]:
                         outs = outputs_behind.get(o)
                         for out in behind(o) if outs is None else outs:
                             if out.shape.is_array and out.shape.dims == dims and out in when:
@@ -263,7 +262,7 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
                 continue
             state[v] = True
             stack.append((v, True))
-            if kind(v):
+            if kinds[v]:
                 stack.extend((o, False) for o in v.operands if o not in state)
     first: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -278,7 +277,7 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
                 if buffers[b].parameter >= 0:
                     first[b] = min(first.get(b, prev), prev)
                     last[b] = max(last.get(b, hi), hi)
-        elif kind(v):
+        elif kinds[v]:
             for o in v.operands:
                 reach(o, lo, hi)
     return first, last, compute

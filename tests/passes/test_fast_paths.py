@@ -94,3 +94,36 @@ def test_new_buffer_is_the_dataclass() -> None:
     args = (3, 512, 5, None, (1,), Shape("f32", (4,)), (), 2, ((0,),))
     got, ref = _new_buffer(*args), Buffer(*args)  # type: ignore[arg-type]
     assert [getattr(got, f) for f in _BUFFER_FIELDS] == [getattr(ref, f) for f in _BUFFER_FIELDS]
+
+
+def _reference_forward_tuple_reads(module: Module) -> Module:
+    """The round-by-round removal ``_forward_tuple_reads`` replaced with one worklist."""
+    from hloopt.passes.inline import _finish
+
+    for comp in module.computations.values():
+        changed = False
+        for inst in comp.instructions:
+            for k, o in enumerate(inst.operands):
+                while (o.opcode == "get-tuple-element" and o.operands[0].opcode == "tuple"
+                       and 0 <= o.tuple_index < len(o.operands[0].operands)):
+                    o = o.operands[0].operands[o.tuple_index]
+                if o is not inst.operands[k]:
+                    inst.operands[k] = o
+                    changed = True
+        while changed:
+            _finish(comp)
+            dead = {i for i in comp.instructions
+                    if not i.users and not i.is_root and i.opcode in ("tuple", "get-tuple-element")}
+            changed = bool(dead)
+            if changed:
+                comp.instructions = [i for i in comp.instructions if i not in dead]
+    return module
+
+
+@pytest.mark.parametrize("name", SNAPSHOTS)
+def test_forward_tuple_reads_is_the_round_by_round_removal(name: str) -> None:
+    from hloopt.passes.inline import _forward_tuple_reads, inline_calls
+
+    m = parse_module((ZOO / name).read_text(), filename=name)
+    assert _describe(_forward_tuple_reads(inline_calls(m))) == \
+        _describe(_reference_forward_tuple_reads(inline_calls(m)))
