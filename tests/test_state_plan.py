@@ -216,3 +216,66 @@ def test_html_report_shows_where_each_group_lives(tmp_path) -> None:  # type: ig
     assert data.assumptions["argument groups in host memory"] == ", ".join(out.plan.host_groups)
     html = render_html(data)
     assert "opt_state[0].mu" in html and "argument groups in host memory" in html
+
+
+OPT_GROUPS = ("opt_state[0].count", "opt_state[0].mu", "opt_state[0].nu")
+
+
+@pytest.mark.parametrize("step", ["hf_gpt2", "levanter_llama"])
+def test_third_party_optimizer_state_is_found_as_one_candidate(step: str) -> None:
+    """On code we did not write (transformers' Flax GPT-2, Levanter's Llama; optax AdamW), the
+    groups only the optimizer reads are exactly the optimizer's state, and each parameter group
+    is a candidate of its own."""
+    from tests.test_thirdparty import load
+
+    load(step)
+    tgt = resolve(f"fixtures/thirdparty/{step}.py:make", size="tiny")
+    _, problem = analyze_target(tgt, load_profile("h200"), platform="cuda", state=True, host="xeon-spr-8480")
+    state = {c.key: c for c in problem.candidates if c.state is not None}
+    assert state[OPTIMIZER_KEY].state == ", ".join(OPT_GROUPS)
+    params = sorted(k for k in state if k != OPTIMIZER_KEY)
+    assert params and all(k.startswith("state:params") for k in params)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.skipif(not __import__("hloopt.lowering", fromlist=["has_libtpu"]).has_libtpu(),
+                    reason="libtpu not installed")
+@pytest.mark.parametrize("step", ["hf_gpt2", "levanter_llama"])
+def test_third_party_optimizer_state_placed_on_the_host_is_what_libtpu_puts_there(step: str) -> None:
+    """The placement part on TPU (where the planner keeps the state on device): the optimizer's
+    groups placed in host memory on the unmodified step, compiled by libtpu 0.0.42 deviceless:
+    its host arguments and outputs are those groups' bytes in libtpu's layout (hloopt state),
+    within 3%."""
+    from hloopt.state import compile_placed, state_groups
+    from tests.test_thirdparty import load
+
+    load(step)
+    tgt = resolve(f"fixtures/thirdparty/{step}.py:make", size="tiny")
+    step_fn, args = tgt.step_fn, tuple(tgt.args)
+    groups = {g.name: g for g in state_groups(step_fn, args)}
+    want = sum(groups[g].tpu_bytes for g in OPT_GROUPS)
+    got = compile_placed(dict.fromkeys(OPT_GROUPS, "host"), step_fn, args)
+    assert got["host_argument_size_in_bytes"] == pytest.approx(want, rel=0.03)
+    assert got["host_output_size_in_bytes"] == pytest.approx(want, rel=0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["hf_gpt2", "levanter_llama"])
+def test_third_party_step_with_its_optimizer_state_on_the_host_computes_the_same_numbers(step: str) -> None:
+    """CPU backend: the unmodified third-party step, its optimizer state placed in host memory,
+    gives the same numbers as the step as written."""
+    import jax
+
+    from hloopt.measure import materialize
+    from hloopt.state import apply_state_plan
+    from tests.test_thirdparty import load
+
+    load(step)
+    tgt = resolve(f"fixtures/thirdparty/{step}.py:make", size="tiny")
+    args = materialize(tuple(tgt.args))
+    want = jax.jit(tgt.step_fn)(*args)
+    step2, args2 = apply_state_plan(dict.fromkeys(OPT_GROUPS, "host"), tgt.step_fn, args)
+    got = step2(*args2)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
