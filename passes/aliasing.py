@@ -60,6 +60,10 @@ ShapeIndex = tuple[int, ...]
 
 #: opcodes whose whole shape is the operand's storage
 _PASS_THROUGH = BARRIERS | {"bitcast", "domain", "add-dependency"}
+#: opcodes :meth:`_Builder.visit` aliases (with the async ``*-start``/``*-done``; everything
+#: else defines its own values unless ``in_place``)
+_ALIASING_OPS = _PASS_THROUGH | {"get-tuple-element", "tuple", "conditional", "call", "copy-start", "async-update"}
+_ASYNC_SUFFIXES = ("-start", "-done")
 #: opcodes updating operand 0 in place
 _IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
 
@@ -280,12 +284,14 @@ class _Builder:
         self.defines = [True] * len(slot_inst)
         entry = self.module.entry
         whiles: list[Instruction] = []
+        visit_all = self.in_place
         for comp in comps:
             for inst in comp.instructions:
-                if inst.opcode == "while":
+                op = inst.opcode
+                if op == "while":
                     whiles.append(inst)
-                else:
-                    self.visit(inst)
+                elif visit_all or op in _ALIASING_OPS or op.endswith(_ASYNC_SUFFIXES):
+                    self.visit(inst)  # others define their values: nothing to alias
         # Loop state last, outer loops first: whether a slot needs a copy depends on which
         # buffers the init and the body root already are (copy insertion, module docstring).
         for inst in whiles:

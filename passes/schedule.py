@@ -121,13 +121,17 @@ def list_schedule(comp: Computation) -> list[Instruction]:
     heapq.heapify(heap)
     out: list[Instruction] = []
     done = [False] * n
+    pop, push = heapq.heappop, heapq.heappush
     while heap:
-        pri, i = heapq.heappop(heap)
+        pri, i = pop(heap)
         if done[i]:
             continue
-        now = priority(i)
+        now = size[i]  # priority(i), written out: once per pop
+        for o in operands[i]:
+            if remaining_uses[o] == 1 and o != root:
+                now -= size[o]
         if now != pri:
-            heapq.heappush(heap, (now, i))
+            push(heap, (now, i))
             continue
         done[i] = True
         out.append(insts[i])
@@ -136,7 +140,7 @@ def list_schedule(comp: Computation) -> list[Instruction]:
         for j in succs[i]:
             deps_left[j] -= 1
             if deps_left[j] == 0:
-                heapq.heappush(heap, (priority(j), j))
+                push(heap, (priority(j), j))
     if len(out) != n:
         raise UserError(f"computation {comp.name} has a cycle: cannot schedule it")
     return out
