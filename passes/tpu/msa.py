@@ -246,27 +246,13 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
     for inst, (lo, hi) in window.items():
         for o in inst.operands:
             reach(o, lo, hi)
-    # topological order (users first) of everything reached through expanding instructions
-    order: list[Instruction] = []
-    state: dict[Instruction, bool] = {}
-    for root in list(low):
-        if root in state:
-            continue
-        stack = [(root, False)]
-        while stack:
-            v, done = stack.pop()
-            if done:
-                order.append(v)
-                continue
-            if v in state:
-                continue
-            state[v] = True
-            stack.append((v, True))
-            if kinds[v]:
-                stack.extend((o, False) for o in v.operands if o not in state)
+    # users before operands: the flat schedule backwards (each computation's steps are a
+    # topological order of it, and operands are in their reader's computation)
     first: dict[int, int] = {}
     last: dict[int, int] = {}
-    for v in reversed(order):  # a postorder reversed: every user before its operands
+    steps = lr.steps
+    for t in range(len(steps) - 1, -1, -1):
+        v = steps[t]
         if v not in low:
             continue
         lo, hi = low[v], high[v]
