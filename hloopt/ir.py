@@ -155,6 +155,8 @@ class Shape:
     @property
     def total_byte_size(self) -> int:
         """Bytes of every array leaf (tuple index tables not counted)."""
+        if self.element_type != "tuple":
+            return self.byte_size  # its one leaf
         return sum(s.byte_size for _, s in self.leaves())
 
     def leaves(self, prefix: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], "Shape"]]:
