@@ -147,17 +147,19 @@ def _reachable(module: Module) -> set[str]:
 
 def _finish(comp: Computation) -> None:
     """Recompute indices, names, users, parameters and the root flag."""
-    comp.by_name = {}
+    by_name: dict[str, Instruction] = {}
+    comp.by_name = by_name
     params = {}
-    for k, inst in enumerate(comp.instructions):
+    insts = comp.instructions
+    for k, inst in enumerate(insts):
         inst.index = k
         inst.parent = comp
         inst.is_root = False
         inst.users = []
-        comp.by_name[inst.name] = inst
+        by_name[inst.name] = inst
         if inst.opcode == "parameter":
             params[inst.parameter_number] = inst
-    for inst in comp.instructions:
+    for inst in insts:
         for o in inst.operands:
             o.users.append(inst)
     if comp.root is not None:
