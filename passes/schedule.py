@@ -91,9 +91,18 @@ def list_schedule(comp: Computation) -> list[Instruction]:
     succs: list[list[int]] = [[] for _ in range(n)]
     for i, inst in enumerate(insts):
         inst_ops = inst.operands
-        if len(inst_ops) == 1:  # most instructions: no duplicates to drop
+        n_ops = len(inst_ops)
+        if n_ops == 0:
+            ops = []
+        elif n_ops == 1:  # no duplicates to drop
             k = pos.get(inst_ops[0])
             ops = [] if k is None else [k]
+        elif n_ops == 2:  # dict.fromkeys below, written out: distinct, in operand order
+            k, k2 = pos.get(inst_ops[0]), pos.get(inst_ops[1])
+            if k is None:
+                ops = [] if k2 is None else [k2]
+            else:
+                ops = [k] if k2 is None or k2 == k else [k, k2]
         else:
             ops = list(dict.fromkeys(k for o in inst_ops if (k := pos.get(o)) is not None))
         operands.append(ops)

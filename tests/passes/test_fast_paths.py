@@ -127,3 +127,64 @@ def test_forward_tuple_reads_is_the_round_by_round_removal(name: str) -> None:
     m = parse_module((ZOO / name).read_text(), filename=name)
     assert _describe(_forward_tuple_reads(inline_calls(m))) == \
         _describe(_reference_forward_tuple_reads(inline_calls(m)))
+
+
+@pytest.mark.parametrize("name", SNAPSHOTS)
+def test_list_schedule_operand_lists_are_the_distinct_operands(name: str) -> None:
+    """The scheduler's written-out operand lists (0, 1, 2 operands) give the schedule the
+    generic ``dict.fromkeys`` form gives: compared through the orders themselves."""
+    from hloopt.passes import schedule as sched
+
+    m = _layout_module(name)
+    got = {c.name: [i.name for i in sched.list_schedule(c)] for c in m.computations.values()}
+    ref = {c.name: [i.name for i in _reference_list_schedule(c)] for c in m.computations.values()}
+    assert got == ref
+
+
+def _reference_list_schedule(comp):  # type: ignore[no-untyped-def]
+    """schedule.list_schedule as it was before its fast paths (generic operand lists, a
+    priority function at every push and pop)."""
+    import heapq
+
+    from hloopt.passes.schedule import _FORWARDING
+
+    insts = comp.instructions
+    n = len(insts)
+    pos = {inst: i for i, inst in enumerate(insts)}
+    root = pos.get(comp.root, -1) if comp.root is not None else -1
+    size = [0 if inst.opcode in _FORWARDING or inst.shape.on_host else inst.shape.total_byte_size for inst in insts]
+    operands, remaining, deps, succs = [], [0] * n, [0] * n, [[] for _ in range(n)]  # type: ignore[var-annotated]
+    for i, inst in enumerate(insts):
+        ops = list(dict.fromkeys(k for o in inst.operands if (k := pos.get(o)) is not None))
+        operands.append(ops)
+        preds = dict.fromkeys(ops)
+        if inst.control_predecessors:
+            preds.update(dict.fromkeys(k for p in inst.control_predecessors if (k := pos.get(p)) is not None))
+        deps[i] = len(preds)
+        for p in preds:
+            succs[p].append(i)
+        for o in ops:
+            remaining[o] += 1
+
+    def priority(i):  # type: ignore[no-untyped-def]
+        return size[i] - sum(size[o] for o in operands[i] if remaining[o] == 1 and o != root)
+
+    heap = [(priority(i), i) for i in range(n) if deps[i] == 0]
+    heapq.heapify(heap)
+    out, done = [], [False] * n
+    while heap:
+        pri, i = heapq.heappop(heap)
+        if done[i]:
+            continue
+        if priority(i) != pri:
+            heapq.heappush(heap, (priority(i), i))
+            continue
+        done[i] = True
+        out.append(insts[i])
+        for o in operands[i]:
+            remaining[o] -= 1
+        for j in succs[i]:
+            deps[j] -= 1
+            if deps[j] == 0:
+                heapq.heappush(heap, (priority(j), j))
+    return out
