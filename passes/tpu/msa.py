@@ -205,6 +205,33 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
                 outputs_behind[v] = own.union(*parts)
         return outputs_behind[root]
 
+    # every instruction read through, in the flat schedule's order (operands before readers in
+    # each computation): what behind() finds, without a walk per reader
+    for v in lr.steps:
+        kv = kinds[v]
+        if not kv or v in outputs_behind:
+            continue
+        parts: list[frozenset[Instruction]] = []
+        missing = False
+        for o in v.operands:
+            if kinds[o]:
+                x = outputs_behind.get(o)
+                if x is None:  # not before its reader in the flat schedule: walk as before
+                    missing = True
+                    break
+                if x:
+                    parts.append(x)
+        if missing:
+            behind(v)
+            continue
+        own = frozenset((v,)) if kv == 2 else empty
+        if not parts:
+            outputs_behind[v] = own
+        elif len(parts) == 1 and not own:
+            outputs_behind[v] = parts[0]
+        else:
+            outputs_behind[v] = own.union(*parts)
+
     # reading times per step: (earliest, latest) over its read entries
     group_first: dict[int, int] = {}  # step -> first step of its multi-output fusion
     window: dict[Instruction, tuple[int, int]] = {}
