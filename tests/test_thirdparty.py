@@ -250,6 +250,61 @@ def test_prediction_vs_libtpu(step: str) -> None:
     assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
 
 
+#: (step, size, budget) -> the plan and its compiled step: an xfail'ed comparison and the budget
+#: test of the same parametrization plan and compile once
+_PLANNED: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+
+def plan_apply_compile(step: str, size: str, share: str, tmp_path: Any) -> tuple[Any, int]:
+    """``step`` at ``size`` planned for a v5e at ``share`` of its all-on-device peak
+    (``pipeline.plan``), the plan applied to the unmodified step with ``hloopt.use_plan``, the step
+    lowered and compiled by libtpu. Asserts that the offloads JAX emits are the planned ones
+    (shape and count) and that the plan moves something; returns the plan and libtpu's peak."""
+    from collections import Counter
+
+    import hloopt
+    from hloopt import pipeline
+    from hloopt.devices import load_profile
+    from hloopt.targets import resolve
+    from hloopt.verify import offload_annotations
+
+    if not lowering.has_libtpu():
+        pytest.skip("needs libtpu (pip install 'hloopt[tpu]')")
+    load(step)
+    key = (step, size, share)
+    if key not in _PLANNED:
+        target = resolve(f"fixtures/thirdparty/{step}.py:make", size=size)
+        plan = pipeline.plan(target, profile=load_profile("tpu-v5e"), budget=share).plan
+        path = tmp_path / "plan.json"
+        path.write_text(plan.to_json())
+        with hloopt.use_plan(str(path)):
+            low = lowering.lower(target.step_fn, *target.args, platform="tpu", compile="tpu-v5e")
+        _PLANNED[key] = (plan, low)
+    plan, low = _PLANNED[key]
+    assert plan.budget is not None and low.memory is not None
+    assert plan.of("offload") or plan.of("remat")
+    want: Counter[str] = Counter()
+    for d in plan.of("offload"):
+        want[d.shape] += d.layers
+    got: Counter[str] = Counter()
+    for a in offload_annotations(low.hlo_text):
+        got[a.shape] += a.count
+    assert got == want
+    return plan, low.memory["peak_memory_in_bytes"]
+
+
+def check_plan_compiled(step: str, size: str, share: str, tmp_path: Any, *, tolerance: float | None) -> Any:
+    """:func:`plan_apply_compile`, then: libtpu's peak is within the budget and, unless
+    ``tolerance`` is None, the memory model's figure for the planned step (``model_peak_bytes``)
+    is within ``tolerance`` of it. Returns the plan."""
+    plan, real = plan_apply_compile(step, size, share, tmp_path)
+    assert real <= plan.budget.bytes, (real, plan.budget.bytes)
+    if tolerance is not None:
+        modeled = plan.predicted.model_peak_bytes
+        assert modeled is not None and abs(modeled - real) / real <= tolerance, (modeled, real)
+    return plan
+
+
 @pytest.mark.slow
 @pytest.mark.tpu
 @pytest.mark.parametrize("share", ["85%", "60%"])
@@ -261,31 +316,70 @@ def test_levanter_llama_plan_applied_as_written_and_compiled(share: str, tmp_pat
     5% of it (libtpu 0.0.42: 2.62 GiB vs 2.57 GiB at 85%, 1.46 GiB vs 1.41 GiB at 60%; the
     simulator's replay, which every policy is compared by, says 2.95 and 1.96 GiB: 15% and 39%
     above)."""
-    from collections import Counter
+    plan = check_plan_compiled("levanter_llama", "small", share, tmp_path, tolerance=0.05)
+    assert plan.of("offload")
 
-    import hloopt
+
+#: transformers' BERT at size mid: its 84% plan's memory-model figure misses libtpu's by more than 3%
+HF_BERT_84 = ("+4.2% (libtpu 0.0.42, jax 0.10.2: model_peak_bytes 85,825,024 vs libtpu 82,331,136): "
+              "every layer's FFN and attention residuals recomputed; both peaks sit at the MLM head's "
+              "vocabulary projection (logits f32[2,256,2048] and the embedding's gradient), whose buffers "
+              "libtpu's memory-space assignment partly puts in VMEM (S(1)); not the dropout "
+              "(+4.6% measured with dropout off)")
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.parametrize(("step", "share"), [
+    ("hf_bert", "90%"),
+    pytest.param("hf_bert", "84%", marks=pytest.mark.xfail(strict=True, reason=HF_BERT_84)),
+])
+def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path) -> None:
+    """transformers' Flax BERT (``gradient_checkpointing=True``: ``nn.remat`` per layer) at size
+    mid (2 x 256, batch 2 x 256) planned at a budget, applied with ``hloopt.use_plan`` and
+    compiled by libtpu, as the Levanter test above: the offloads JAX emits are the planned ones,
+    the compiled peak is within the budget, ``model_peak_bytes`` within 3% of it.
+
+    Budgets, from measurement (libtpu 0.0.42, jax 0.10.2): the all-on-device peak (the simulator's
+    baseline) is 104,460,800 B and the least any policy reaches 85,025,280 B (81.4%): 90% is about
+    the midpoint, 84% near the least. Both plans recompute only: the layers are unrolled (no
+    ``lax.scan``), and libtpu copies a value offloaded outside a loop straight back, so the
+    pipeline drops offloads; JAX emits none, as planned. Measured: at 90% (94,014,720 B) 7
+    residual groups recomputed, replay 89,780,736 B, model 89,792,000 B, libtpu 88,098,304 B
+    (+1.9%); at 84% (87,747,072 B) 5 groups recomputed, replay 87,683,584 B, model 85,825,024 B,
+    libtpu 82,331,136 B (+4.2%: strict xfail, reason :data:`HF_BERT_84`; the budget holds, below).
+    Plan 23-24 s and compile 21-35 s each on 2 shared cores.
+
+    transformers' Flax GPT-2 and ResNet have no ``jax.checkpoint`` (no switch in the library):
+    no policy moves anything, so there is no plan below their peak to apply
+    (:func:`test_hf_steps_without_checkpoint_cannot_be_planned`). Whisper's mid size plans in
+    63 s (over this file's budget for CI); its figures are in fixtures/thirdparty/README.md."""
+    check_plan_compiled(step, "mid", share, tmp_path, tolerance=0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.parametrize(("step", "share"), [("hf_bert", "84%")])
+def test_hf_plan_compiles_within_budget(step: str, share: str, tmp_path) -> None:
+    """The budget half of the xfail'ed parametrizations above: offloads as planned and libtpu's
+    peak within the budget (hf_bert mid at 84%: 82,331,136 B <= 87,747,072 B, libtpu 0.0.42,
+    jax 0.10.2); the plan and compile are shared with the xfail'ed test when both run."""
+    check_plan_compiled(step, "mid", share, tmp_path, tolerance=None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["hf_gpt2", "hf_resnet"])
+def test_hf_steps_without_checkpoint_cannot_be_planned(step: str) -> None:
+    """transformers' Flax GPT-2 and ResNet trace no ``jax.checkpoint``: every residual is saved
+    outside any policy, the least peak is the all-on-device peak, and a plan at 90% of it is
+    refused with the library's switch named (measured at size mid, jax 0.10.2: GPT-2 69.0 MiB of
+    residuals no policy can move, least peak 82.5 MiB)."""
     from hloopt import pipeline
     from hloopt.devices import load_profile
+    from hloopt.errors import InfeasibleBudget
     from hloopt.targets import resolve
-    from hloopt.verify import offload_annotations
 
-    load("levanter_llama")
-    target = resolve("fixtures/thirdparty/levanter_llama.py:make", size="small")
-    plan = pipeline.plan(target, profile=load_profile("tpu-v5e"), budget=share).plan
-    assert plan.budget is not None
-    path = tmp_path / "plan.json"
-    path.write_text(plan.to_json())
-    with hloopt.use_plan(str(path)):
-        low = lowering.lower(target.step_fn, *target.args, platform="tpu", compile="tpu-v5e")
-    assert low.memory is not None
-    real = low.memory["peak_memory_in_bytes"]
-    want: Counter[str] = Counter()
-    for d in plan.of("offload"):
-        want[d.shape] += d.layers
-    got: Counter[str] = Counter()
-    for a in offload_annotations(low.hlo_text):
-        got[a.shape] += a.count
-    assert want and got == want
-    assert real <= plan.budget.bytes
-    modeled = plan.predicted.model_peak_bytes
-    assert modeled is not None and abs(modeled - real) / real <= 0.05, (modeled, real)
+    load(step)
+    target = resolve(f"fixtures/thirdparty/{step}.py:make", size="mid")
+    with pytest.raises(InfeasibleBudget, match="no policy can move"):
+        pipeline.plan(target, profile=load_profile("tpu-v5e"), budget="90%")
