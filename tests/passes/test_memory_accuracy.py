@@ -241,9 +241,13 @@ def test_newer_libtpus_host_figure_is_its_allocation_and_ours() -> None:
 
 
 #: measured relative error of our peak of libtpu's compiled third-party modules, where > 0.5%
-#: (libtpu 0.0.42, jax 0.10.2, tiny sizes)
+#: (libtpu 0.0.42, jax 0.10.2)
 THIRD_PARTY_COMPILED_MISSES = {
-    "levanter_gpt2": "+0.54% (12,152,320 B vs 12,086,784 B: 64 KiB over; not explained yet)",
+    ("levanter_gpt2", "tiny"): "+0.54% (12,152,320 B vs 12,086,784 B: 64 KiB over; not explained yet)",
+    ("hf_bert", "mid"): ("+5.5% (80,587,264 B vs 76,392,448 B): libtpu reports its VMEM heap there, 22.7 MiB in its "
+                         "buffer assignment, where the S(1) values we count live at once sum to 26.8 MiB (our "
+                         "count keeps an operand's and its reader's buffers apart; whether libtpu's heap shares "
+                         "them there is not checked yet)"),
 }
 
 
@@ -251,26 +255,26 @@ def _third_party_params() -> list[object]:
     from tests.test_thirdparty import LIBRARY
 
     out = []
-    for step in LIBRARY:
+    for step, size in [*((s, "tiny") for s in LIBRARY), ("hf_bert", "mid")]:
         marks = [pytest.mark.slow, pytest.mark.tpu]
-        if step in THIRD_PARTY_COMPILED_MISSES:
-            marks.append(pytest.mark.xfail(strict=True, reason=THIRD_PARTY_COMPILED_MISSES[step]))
-        out.append(pytest.param(step, marks=marks))
+        if (step, size) in THIRD_PARTY_COMPILED_MISSES:
+            marks.append(pytest.mark.xfail(strict=True, reason=THIRD_PARTY_COMPILED_MISSES[(step, size)]))
+        out.append(pytest.param(step, size, marks=marks, id=f"{step}-{size}"))
     return out
 
 
-@pytest.mark.parametrize("step", _third_party_params())
-def test_third_party_tpu_compiled_peak_within_half_a_percent(step: str) -> None:
-    """Every third-party step (fixtures/thirdparty/, tiny) compiled by libtpu: its module parses
-    and our peak of it is within 0.5% of ``memory_analysis()``'s ``peak_memory_in_bytes``
-    (measured: hf_gpt2, hf_bert, hf_whisper, hf_resnet within 512-1024 B; levanter_llama exact)."""
+@pytest.mark.parametrize("step,size", _third_party_params())
+def test_third_party_tpu_compiled_peak_within_half_a_percent(step: str, size: str) -> None:
+    """Every third-party step (fixtures/thirdparty/) compiled by libtpu: its module parses and our
+    peak of it is within 0.5% of ``memory_analysis()``'s ``peak_memory_in_bytes`` (measured at
+    tiny: hf_gpt2, hf_bert, hf_whisper, hf_resnet within 512-1024 B; levanter_llama exact)."""
     from hloopt.hlo.parser import parse_module
     from hloopt.lowering import lower
     from hloopt.targets import resolve
     from tests.test_thirdparty import load
 
     load(step)
-    tgt = resolve(f"fixtures/thirdparty/{step}.py:make", size="tiny")
+    tgt = resolve(f"fixtures/thirdparty/{step}.py:make", size=size)
     lowered = lower(tgt.step_fn, *tgt.args, platform="tpu", compile="tpu-v5e")
     assert lowered.memory is not None and lowered.compiled_text is not None
     report = analyze(parse_module(lowered.compiled_text), xla=lowered.memory)
