@@ -331,7 +331,7 @@ def maxtext_yaml(plan: Plan | str | os.PathLike[str], *, strict: bool = True) ->
     import yaml
 
     plan = load_plan(plan)
-    values: dict[str, str] = {"remat_policy": "custom"}
+    values: dict[str, Any] = {"remat_policy": "custom"}
     for n in MAXTEXT_NAMES:
         values[n] = MAXTEXT_DEFAULTS.get(n, "remat")
     for d in plan.decisions:
@@ -346,6 +346,20 @@ def maxtext_yaml(plan: Plan | str | os.PathLike[str], *, strict: bool = True) ->
     lines = _header(plan, "#", "MaxText remat policy (merge into your config yml)")
     for d in left_out:
         lines.append(f"# NOT EXPRESSIBLE in MaxText, left out: {d.action} {_comment(d.key)}")
+    # where the arguments live (plan --state): MaxText's two booleans place a whole role in host
+    # memory; it has no switch for computing the optimizer update on the host
+    for role, key in (("optimizer", "optimizer_memory_host_offload"), ("parameters", "parameter_memory_host_offload")):
+        groups = [s for s in plan.state if s.role == role]
+        if not groups:
+            continue
+        values[key] = all(s.placement in ("host", "host-compute") for s in groups)
+        hosted = [s.group for s in groups if s.placement != "device"]
+        if hosted and not values[key]:
+            lines.append(f"# NOT EXPRESSIBLE in MaxText: {key} places every {role} group; the plan places "
+                         f"only {_comment(', '.join(hosted))}")
+        if any(s.placement == "host-compute" for s in groups):
+            lines.append("# NOT EXPRESSIBLE in MaxText: the optimizer update computed on the host "
+                         "(hloopt.state.on_host); optimizer_memory_host_offload keeps the state there only")
     body = yaml.safe_dump(values, sort_keys=False, default_flow_style=False, allow_unicode=False, width=1 << 30)
     return "\n".join(lines) + "\n" + body
 

@@ -950,7 +950,8 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
             where = {Action.OFFLOAD: "host", Action.REMAT: "host-compute"}.get(a, "device")
             for g in c.state.split(", "):
                 size = int(problem.notes.get(f"state-bytes:{g}", c.bytes))
-                state.append(StateDecision(group=g, placement=where, bytes=size, reason=_state_reason(c, a, problem)))
+                state.append(StateDecision(group=g, placement=where, bytes=size, reason=_state_reason(c, a, problem),
+                                           role="optimizer" if c.key == OPTIMIZER_KEY else "parameters"))
             continue
         if c.name:
             sel = Selector.by_name(c.name)

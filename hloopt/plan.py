@@ -9,7 +9,7 @@ a frozen dataclass tree with one JSON form:
      "decisions": [{"key", "name", "selector", "action", "bytes", "layers", "shape", "reason",
                     "source", "values"}, ...],
      "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null,
-     "state": [{"group", "placement", "bytes", "reason"}, ...], "host_budget_bytes": N}
+     "state": [{"group", "placement", "bytes", "reason", "role"}, ...], "host_budget_bytes": N}
                                             (the last two only when argument groups were planned)
 
 Algorithm: :meth:`Plan.to_json` writes keys sorted, floats rounded to :data:`FLOAT_DIGITS`
@@ -109,9 +109,12 @@ class StateDecision:
     #: device bytes of the group (its arguments and its updated outputs, as the timeline counts them)
     bytes: int
     reason: str = ""
+    #: "parameters" (read by the differentiated computation) or "optimizer" (the optimizer's state)
+    role: str = "parameters"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"group": self.group, "placement": self.placement, "bytes": self.bytes, "reason": self.reason}
+        return {"group": self.group, "placement": self.placement, "bytes": self.bytes, "reason": self.reason,
+                "role": self.role}
 
 
 @dataclass(frozen=True)
@@ -518,7 +521,9 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         sr = _Reader(origin, f"state[{i}]", s_raw)
         state.append(StateDecision(group=sr.str("group"),
                                    placement=sr.one_of("placement", ("device", "host", "host-compute")),
-                                   bytes=sr.int("bytes"), reason=sr.str("reason", default="")))
+                                   bytes=sr.int("bytes"), reason=sr.str("reason", default=""),
+                                   role=sr.one_of("role", ("parameters", "optimizer")) if "role" in sr.obj
+                                   else "parameters"))
     host_budget = r.int("host_budget_bytes", nullable=True) if "host_budget_bytes" in r.obj else None
     try:
         return Plan(target=r.str("target"), module=r.str("module"), device=device, budget=budget,

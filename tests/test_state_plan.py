@@ -279,3 +279,31 @@ def test_third_party_step_with_its_optimizer_state_on_the_host_computes_the_same
     got = step2(*args2)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_maxtext_fragment_carries_the_state_placement() -> None:
+    """MaxText's two booleans say where a whole role lives; a host update has no switch and is
+    named in a comment. The fragment is read back with YAML as MaxText reads it."""
+    import dataclasses
+
+    import yaml
+
+    from hloopt.emit import maxtext_yaml
+
+    tgt = resolve(TARGET, factory_kwargs=SMALL)
+    h200 = load_profile("h200")
+    an, problem = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480")
+    p = plan(tgt, profile=h200, platform="cuda", budget=str(an.peak_bytes), state=True).plan
+    assert {s.role for s in p.state} == {"parameters", "optimizer"}
+
+    def placed(where: dict[str, str]) -> Plan:
+        return dataclasses.replace(p, state=tuple(dataclasses.replace(s, placement=where[s.role]) for s in p.state))
+
+    host_opt = yaml.safe_load(maxtext_yaml(placed({"optimizer": "host", "parameters": "device"}), strict=False))
+    assert host_opt["optimizer_memory_host_offload"] is True and host_opt["parameter_memory_host_offload"] is False
+    text = maxtext_yaml(placed({"optimizer": "host-compute", "parameters": "host"}), strict=False)
+    both = yaml.safe_load(text)
+    assert both["optimizer_memory_host_offload"] is True and both["parameter_memory_host_offload"] is True
+    assert "NOT EXPRESSIBLE in MaxText: the optimizer update computed on the host" in text
+    # the plan file keeps each group's role
+    assert Plan.loads(p.to_json()).state == p.state
