@@ -979,6 +979,7 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
                         actions={k: v.value for k, v in sorted(p.decisions.actions.items())})
             for p in pareto),
         state=tuple(state), host_budget_bytes=host_budget_bytes if state else None,
+        host_peak_bytes=max(result.host_timeline_bytes, default=0) if state else None,
     )
 
 

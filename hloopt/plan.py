@@ -9,7 +9,8 @@ a frozen dataclass tree with one JSON form:
      "decisions": [{"key", "name", "selector", "action", "bytes", "layers", "shape", "reason",
                     "source", "values"}, ...],
      "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null,
-     "state": [{"group", "placement", "bytes", "reason", "role"}, ...], "host_budget_bytes": N}
+     "state": [{"group", "placement", "bytes", "reason", "role"}, ...], "host_budget_bytes": N,
+     "host_peak_bytes": N}
                                             (the last two only when argument groups were planned)
 
 Algorithm: :meth:`Plan.to_json` writes keys sorted, floats rounded to :data:`FLOAT_DIGITS`
@@ -226,6 +227,8 @@ class Plan:
     state: tuple[StateDecision, ...] = ()
     #: the host memory the plan may fill (bytes), when state was planned
     host_budget_bytes: int | None = None
+    #: the most host memory the plan holds at once (the simulator's host timeline), when state was planned
+    host_peak_bytes: int | None = None
 
     @property
     def host_groups(self) -> list[str]:
@@ -280,7 +283,8 @@ class Plan:
                 {"peak_bytes": p.peak_bytes, "step_time_s": p.step_time_s, "actions": dict(p.actions)}
                 for p in self.pareto],
             # written only when planned, so plans without state keep their bytes
-            **({"state": [s.to_dict() for s in self.state], "host_budget_bytes": self.host_budget_bytes}
+            **({"state": [s.to_dict() for s in self.state], "host_budget_bytes": self.host_budget_bytes,
+                "host_peak_bytes": self.host_peak_bytes}
                if self.state else {}),
         }
 
@@ -525,11 +529,12 @@ def _parse_plan(data: Any, origin: str) -> Plan:
                                    role=sr.one_of("role", ("parameters", "optimizer")) if "role" in sr.obj
                                    else "parameters"))
     host_budget = r.int("host_budget_bytes", nullable=True) if "host_budget_bytes" in r.obj else None
+    host_peak = r.int("host_peak_bytes", nullable=True) if "host_peak_bytes" in r.obj else None
     try:
         return Plan(target=r.str("target"), module=r.str("module"), device=device, budget=budget,
                     mode=r.one_of("mode", MODES), decisions=tuple(decisions), predicted=predicted,
                     bounds=bounds, solver=solver, pareto=pareto, schema=SCHEMA, state=tuple(state),
-                    host_budget_bytes=host_budget)
+                    host_budget_bytes=host_budget, host_peak_bytes=host_peak)
     except UserError as err:
         raise UserError(str(err).replace("<plan>", origin, 1)) from None
 

@@ -180,3 +180,6 @@ class SimResult:
     transfers: Sequence[tuple[str, int, str, float, float]] = ()
     #: Start time of each step in seconds (after stalls).
     step_start_s: Sequence[float] = ()
+    #: Host bytes the plan holds at each step: an offloaded residual from the end of its copy out
+    #: to its last read, an argument group in host memory (placed, or updated there) the whole step.
+    host_timeline_bytes: Sequence[int] = ()

@@ -469,6 +469,20 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
     lo2 = np.maximum(lo2, hi1 + 1)
     timeline = np.maximum(a.base_bytes + _interval_sum(T, lo1, hi1, a.bytes) + _interval_sum(T, lo2, hi2, a.bytes),
                           _floor(a, T, lo1, hi1, lo2, hi2))
+    # host memory: offloaded residuals from their copy out to their last read, argument groups
+    # in host memory (placed there, or updated there) for the whole step
+    host_lo = np.zeros(0, dtype=np.int64)
+    host_hi = np.zeros(0, dtype=np.int64)
+    host_w = np.zeros(0, dtype=np.int64)
+    if len(offl):
+        host_lo = np.where(a.state[offl], 0, d2h_end_step)
+        host_hi = np.where(a.state[offl], T - 1, a.last_use[offl])
+        host_w = a.bytes[offl]
+    on_host = np.nonzero((code == 2) & a.state)[0]
+    host_lo = np.concatenate([host_lo, np.zeros(len(on_host), dtype=np.int64)])
+    host_hi = np.concatenate([host_hi, np.full(len(on_host), T - 1, dtype=np.int64)])
+    host_w = np.concatenate([host_w, a.bytes[on_host]])
+    host_timeline = _interval_sum(T, host_lo, host_hi, host_w) if T else np.zeros(0, dtype=np.int64)
 
     step_time = float(S[T]) if T else 0.0
     peak_step = int(np.argmax(timeline)) if T else 0
@@ -481,4 +495,5 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
         timeline_bytes=timeline.tolist(),
         transfers=tuple(transfers),
         step_start_s=S[:T].tolist(),
+        host_timeline_bytes=host_timeline.tolist(),
     )

@@ -66,6 +66,8 @@ def test_all_device_is_the_analyzed_timeline_and_the_host_update_frees_the_state
     host = simulate(problem, Decisions({OPTIMIZER_KEY: Action.REMAT}))
     freed = np.asarray(base.timeline_bytes) - np.asarray(host.timeline_bytes)
     assert set(freed.tolist()) == {opt.bytes}
+    # ... and the host holds it the whole step; nothing is on the host with everything on device
+    assert set(host.host_timeline_bytes) == {opt.bytes} and set(base.host_timeline_bytes) == {0}
     # placed in host memory instead: freed before its first read, back on device from there
     placed = simulate(problem, Decisions({OPTIMIZER_KEY: Action.OFFLOAD}))
     freed = np.asarray(base.timeline_bytes) - np.asarray(placed.timeline_bytes)
@@ -94,12 +96,16 @@ def test_plan_places_the_state_to_fit_a_budget_the_residuals_cannot(tmp_path) ->
     p = out.plan
     assert p.predicted.peak_bytes <= budget
     assert p.host_groups  # something left the device
-    assert simulate(out.problem, out.decisions).peak_bytes == p.predicted.peak_bytes
+    replay = simulate(out.problem, out.decisions)
+    assert replay.peak_bytes == p.predicted.peak_bytes
+    assert p.host_peak_bytes == max(replay.host_timeline_bytes) <= h200.host_memory_bytes
+    assert p.host_peak_bytes >= sum(s.bytes for s in p.state if s.placement != "device")
     # the file keeps the placements
     path = tmp_path / "plan.json"
     p.save(path)
     again = Plan.load(path)
     assert again.state == p.state and again.host_budget_bytes == h200.host_memory_bytes
+    assert again.host_peak_bytes == p.host_peak_bytes
     # JAX's documented recipe is among the anchors the plan is judged against
     names = {a.name for a in out.anchors}
     assert "optimizer on host (compute_on)" in names and "full + optimizer_memory_host_offload" in names

@@ -113,6 +113,9 @@ def _print_state(plan: object, console: object) -> None:
     from hloopt.units import format_bytes
 
     console.print("\n[bold]Arguments[/bold] (--state):")  # type: ignore[attr-defined]
+    if plan.host_peak_bytes is not None and plan.host_budget_bytes is not None:  # type: ignore[attr-defined]
+        click.echo(f"  host memory: {format_bytes(plan.host_peak_bytes)} at most, "  # type: ignore[attr-defined]
+                   f"of {format_bytes(plan.host_budget_bytes)} allowed")  # type: ignore[attr-defined]
     for s in plan.state:  # type: ignore[attr-defined]
         click.echo(f"  {s.placement:<12} {s.group:<28} {format_bytes(s.bytes):>10}  {s.reason}")
     if plan.host_groups and not plan.host_update:  # type: ignore[attr-defined]

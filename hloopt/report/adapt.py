@@ -430,6 +430,7 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
             "least peak any policy reaches": format_bytes(plan.bounds.least_peak_bytes),
             "compute": "roofline per instruction (FLOPs / peak rate vs bytes / HBM rate)",
             **({"host memory the plan may fill": format_bytes(plan.host_budget_bytes),
+                "host memory the plan fills (most at once)": format_bytes(plan.host_peak_bytes or 0),
                 "argument groups in host memory": ", ".join(plan.host_groups) or "none",
                 "optimizer update": "on the host (its time, gradients out and parameters in are in the plan's "
                                     "step time)" if plan.host_update else "on the device"}
