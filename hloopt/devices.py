@@ -18,7 +18,7 @@ import dataclasses
 import json
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -288,19 +288,8 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Dev
 
     Raises UserError naming ``origin`` and the offending field.
     """
-    if not isinstance(data, Mapping):
-        raise UserError(f"{origin}: expected a table of profile fields, got {type(data).__name__}")
-    unknown = sorted(set(data) - _FIELDS)
-    if unknown:
-        raise UserError(f"{origin}: unknown field {unknown[0]!r}; known fields: {', '.join(sorted(_FIELDS))}")
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise UserError(f"{origin}: missing field {missing[0]!r}")
-    kw: dict[str, Any] = {}
-    name = data["name"]
-    if not isinstance(name, str) or not name.strip():
-        raise _field_error(origin, "name", "a non-empty string", name)
-    kw["name"] = name
+    kw: dict[str, Any] = {"name": check_profile_table(data, fields=_FIELDS, required=_REQUIRED, origin=origin,
+                                                      table_of="profile fields")}
     kind = data["kind"]
     if kind not in KINDS:
         raise _field_error(origin, "kind", " or ".join(repr(k) for k in KINDS), kind)
@@ -362,27 +351,65 @@ ALIASES: dict[str, str] = {
 }
 
 
-def _profile_dir() -> Any:
-    return resources.files("hloopt").joinpath("device_profiles")
+def check_profile_table(data: Any, *, fields: set[str], required: Sequence[str], origin: str, table_of: str) -> str:
+    """What every profile table (device, host) must be: a table with only ``fields``, all of
+    ``required``, and a non-empty ``name``, which it returns. One UserError line otherwise."""
+    if not isinstance(data, Mapping):
+        raise UserError(f"{origin}: expected a table of {table_of}, got {type(data).__name__}")
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise UserError(f"{origin}: unknown field {unknown[0]!r}; known fields: {', '.join(sorted(fields))}")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise UserError(f"{origin}: missing field {missing[0]!r}")
+    name = data["name"]
+    if not isinstance(name, str) or not name.strip():
+        raise _field_error(origin, "name", "a non-empty string", name)
+    return name
+
+
+def builtin_profiles(folder: str) -> list[str]:
+    """Names of the built-in profiles in the package folder ``folder``, sorted."""
+    files = resources.files("hloopt").joinpath(folder)
+    return sorted(p.name[: -len(".toml")] for p in files.iterdir() if p.name.endswith(".toml"))
+
+
+def read_profile_table(name_or_path: str | Path, *, folder: str, what: str,
+                       canonical: Callable[[str], str | None]) -> tuple[Any, str]:
+    """The table a profile holds, and its origin for messages: a built-in one of ``folder`` by the
+    name ``canonical`` gives for ``name_or_path``, or a TOML/JSON file. ``what`` ("device",
+    "host") names the kind of profile in messages."""
+    s = str(name_or_path)
+    path = Path(s)
+    if not (path.suffix.lower() in (".toml", ".json") or "/" in s or path.exists()):
+        name = canonical(s)
+        if name is None:
+            raise UserError(f"unknown {what} {s!r}; known: {', '.join(builtin_profiles(folder))} "
+                            "(or a .toml/.json file)")
+        origin = f"{folder}/{name}.toml"
+        text = resources.files("hloopt").joinpath(folder).joinpath(f"{name}.toml").read_text(encoding="utf-8")
+        return _parse_table(text, origin=origin, fmt="toml"), origin
+    if not path.is_file():
+        raise UserError(f"{s}: no such {what} profile file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{s}: not a text file (a TOML or JSON {what} profile expected)") from None
+    except OSError as err:
+        raise UserError(f"{s}: cannot read: {err.strerror}") from None
+    return _parse_table(text, origin=s, fmt="json" if path.suffix.lower() == ".json" else "toml"), s
+
+
+def _parse_table(text: str, *, origin: str, fmt: str) -> Any:
+    try:
+        return tomllib.loads(text) if fmt == "toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{origin}: not valid {fmt.upper()}: {err}") from None
 
 
 def list_profiles() -> list[str]:
     """Names of the built-in profiles, sorted."""
-    return sorted(p.name[: -len(".toml")] for p in _profile_dir().iterdir() if p.name.endswith(".toml"))
-
-
-def _load_builtin(name: str) -> DeviceProfile:
-    res = _profile_dir().joinpath(f"{name}.toml")
-    text = res.read_text(encoding="utf-8")
-    return _parse_text(text, origin=f"device_profiles/{name}.toml", fmt="toml")
-
-
-def _parse_text(text: str, *, origin: str, fmt: str) -> DeviceProfile:
-    try:
-        data = tomllib.loads(text) if fmt == "toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"{origin}: not valid {fmt.upper()}: {err}") from None
-    return profile_from_dict(data, origin=origin)
+    return builtin_profiles("device_profiles")
 
 
 def _canonical(name: str) -> str | None:
@@ -400,24 +427,8 @@ def load_profile(name_or_path: str | Path) -> DeviceProfile:
     Raises UserError listing the known names for an unknown name, and naming the file and field
     for a malformed file.
     """
-    s = str(name_or_path)
-    path = Path(s)
-    looks_like_file = path.suffix.lower() in (".toml", ".json") or "/" in s or path.exists()
-    if not looks_like_file:
-        canonical = _canonical(s)
-        if canonical is None:
-            raise UserError(f"unknown device {s!r}; known: {', '.join(list_profiles())} (or a .toml/.json file)")
-        return _load_builtin(canonical)
-    if not path.is_file():
-        raise UserError(f"{s}: no such device profile file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{s}: not a text file (a TOML or JSON device profile expected)") from None
-    except OSError as err:
-        raise UserError(f"{s}: cannot read: {err.strerror}") from None
-    fmt = "json" if path.suffix.lower() == ".json" else "toml"
-    return _parse_text(text, origin=s, fmt=fmt)
+    data, origin = read_profile_table(name_or_path, folder="device_profiles", what="device", canonical=_canonical)
+    return profile_from_dict(data, origin=origin)
 
 
 def _toml_value(v: Any) -> str:

@@ -20,17 +20,23 @@ The time model is a roofline: :func:`host_compute_s` is ``max(flops / rate, byte
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from hloopt.devices import _field_error, _positive_float, _positive_int, _rate, _size
+from hloopt.devices import (
+    _field_error,
+    _positive_float,
+    _positive_int,
+    _rate,
+    _size,
+    builtin_profiles,
+    check_profile_table,
+    read_profile_table,
+)
 from hloopt.errors import UserError
 
 __all__ = [
@@ -220,19 +226,8 @@ def host_profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -
 
     Raises UserError naming ``origin`` and the offending field.
     """
-    if not isinstance(data, Mapping):
-        raise UserError(f"{origin}: expected a table of host profile fields, got {type(data).__name__}")
-    unknown = sorted(set(data) - _FIELDS)
-    if unknown:
-        raise UserError(f"{origin}: unknown field {unknown[0]!r}; known fields: {', '.join(sorted(_FIELDS))}")
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        raise UserError(f"{origin}: missing field {missing[0]!r}")
-    kw: dict[str, Any] = {}
-    name = data["name"]
-    if not isinstance(name, str) or not name.strip():
-        raise _field_error(origin, "name", "a non-empty string", name)
-    kw["name"] = name
+    kw: dict[str, Any] = {"name": check_profile_table(data, fields=_FIELDS, required=_REQUIRED, origin=origin,
+                                                      table_of="host profile fields")}
     for k in ("sockets", "cores", "avx512_fma_units", "memory_channels_per_socket"):
         kw[k] = _positive_int(data[k], k, origin)
     if kw["cores"] % kw["sockets"]:
@@ -291,21 +286,14 @@ ALIASES: dict[str, str] = {
 }
 
 
-def _profile_dir() -> Any:
-    return resources.files("hloopt").joinpath("host_profiles")
-
-
 def list_host_profiles() -> list[str]:
     """Names of the built-in host profiles, sorted."""
-    return sorted(p.name[: -len(".toml")] for p in _profile_dir().iterdir() if p.name.endswith(".toml"))
+    return builtin_profiles("host_profiles")
 
 
-def _parse_text(text: str, *, origin: str, fmt: str) -> HostProfile:
-    try:
-        data = tomllib.loads(text) if fmt == "toml" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
-        raise UserError(f"{origin}: not valid {fmt.upper()}: {err}") from None
-    return host_profile_from_dict(data, origin=origin)
+def _canonical(name: str) -> str | None:
+    key = name.strip().lower().replace("_", "-").replace(" ", "-")
+    return key if key in list_host_profiles() else ALIASES.get(key)
 
 
 def load_host_profile(name_or_path: str | Path) -> HostProfile:
@@ -314,22 +302,6 @@ def load_host_profile(name_or_path: str | Path) -> HostProfile:
     Raises UserError listing the known names for an unknown name, and naming the file and field
     for a malformed file.
     """
-    s = str(name_or_path)
-    path = Path(s)
-    looks_like_file = path.suffix.lower() in (".toml", ".json") or "/" in s or path.exists()
-    if not looks_like_file:
-        key = s.strip().lower().replace("_", "-").replace(" ", "-")
-        canonical = key if key in list_host_profiles() else ALIASES.get(key)
-        if canonical is None:
-            raise UserError(f"unknown host {s!r}; known: {', '.join(list_host_profiles())} (or a .toml/.json file)")
-        text = _profile_dir().joinpath(f"{canonical}.toml").read_text(encoding="utf-8")
-        return _parse_text(text, origin=f"host_profiles/{canonical}.toml", fmt="toml")
-    if not path.is_file():
-        raise UserError(f"{s}: no such host profile file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{s}: not a text file (a TOML or JSON host profile expected)") from None
-    except OSError as err:
-        raise UserError(f"{s}: cannot read: {err.strerror}") from None
-    return _parse_text(text, origin=s, fmt="json" if path.suffix.lower() == ".json" else "toml")
+    data, origin = read_profile_table(name_or_path, folder="host_profiles", what="host", canonical=_canonical)
+    return host_profile_from_dict(data, origin=origin)
+
