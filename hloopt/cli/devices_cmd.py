@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import click
 
@@ -76,9 +77,6 @@ def _show_one(p: DeviceProfile, *, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(p.to_dict(), indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
     rows: list[tuple[str, str]] = [
         ("hbm_bytes", format_bytes(p.hbm_bytes)),
         ("hbm_bytes_per_s", format_rate(p.hbm_bytes_per_s)),
@@ -92,12 +90,20 @@ def _show_one(p: DeviceProfile, *, as_json: bool) -> None:
         ("host_memory_bytes", format_bytes(p.host_memory_bytes)),
         ("interconnect_bytes_per_s", format_rate(p.interconnect_bytes_per_s)),
     ]
-    table = Table(title=f"{p.name} ({p.kind}): {p.description}", show_lines=True)
+    _print_sourced(f"{p.name} ({p.kind}): {p.description}", rows, p.sources)
+
+
+def _print_sourced(title: str, rows: list[tuple[str, str]], sources: Mapping[str, str]) -> None:
+    """One profile's fields, values and the source of each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=True)
     table.add_column("field")
     table.add_column("value", justify="right")
     table.add_column("source")
     for k, v in rows:
-        table.add_row(k, v, p.sources.get(k, "(none)"))
+        table.add_row(k, v, sources.get(k, "(none)"))
     Console(width=160).print(table)
 
 
@@ -124,9 +130,6 @@ def _show_host(p: HostProfile, *, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(p.to_dict(), indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
-
     rows: list[tuple[str, str]] = [
         ("sockets", str(p.sockets)),
         ("cores", str(p.cores)),
@@ -138,10 +141,4 @@ def _show_host(p: HostProfile, *, as_json: bool) -> None:
         ("dram_bytes_per_s", format_rate(p.dram_bytes_per_s)),
         ("host_memory_bytes", format_bytes(p.host_memory_bytes)),
     ]
-    table = Table(title=f"{p.name}: {p.description}", show_lines=True)
-    table.add_column("field")
-    table.add_column("value", justify="right")
-    table.add_column("source")
-    for k, v in rows:
-        table.add_row(k, v, p.sources.get(k, "(none)"))
-    Console(width=160).print(table)
+    _print_sourced(f"{p.name}: {p.description}", rows, p.sources)

@@ -196,13 +196,7 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
                 continue
             parts = [outputs_behind[o] for o in v.operands if o in outputs_behind]
             parts = [x for x in parts if x]
-            own = frozenset((v,)) if kinds[v] == 2 else empty
-            if not parts:
-                outputs_behind[v] = own
-            elif len(parts) == 1 and not own:
-                outputs_behind[v] = parts[0]
-            else:
-                outputs_behind[v] = own.union(*parts)
+            outputs_behind[v] = _joined(frozenset((v,)) if kinds[v] == 2 else empty, parts)
         return outputs_behind[root]
 
     # every instruction read through, in the flat schedule's order (operands before readers in
@@ -224,13 +218,7 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
         if missing:
             behind(v)
             continue
-        own = frozenset((v,)) if kv == 2 else empty
-        if not parts:
-            outputs_behind[v] = own
-        elif len(parts) == 1 and not own:
-            outputs_behind[v] = parts[0]
-        else:
-            outputs_behind[v] = own.union(*parts)
+        outputs_behind[v] = _joined(frozenset((v,)) if kv == 2 else empty, parts)
 
     # reading times per step: (earliest, latest) over its read entries
     group_first: dict[int, int] = {}  # step -> first step of its multi-output fusion
@@ -294,6 +282,15 @@ def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], li
             for o in v.operands:
                 reach(o, lo, hi)
     return first, last, compute
+
+
+def _joined(own: frozenset[Instruction], parts: list[frozenset[Instruction]]) -> frozenset[Instruction]:
+    """``own`` and every part together, sharing the one part when there is nothing to add to it."""
+    if not parts:
+        return own
+    if len(parts) == 1 and not own:
+        return parts[0]
+    return own.union(*parts)
 
 
 def activation_minor_sizes(lr: LiveRanges, movable: set[int]) -> dict[int, int]:
