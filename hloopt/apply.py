@@ -81,4 +81,4 @@ def apply_plan(plan: Any, step: Callable[..., Any], args: tuple[Any, ...] | None
     from hloopt.state import apply_state_plan
 
     placement = {s.group: ("host" if s.placement in ("host", "host-compute") else "device") for s in loaded.state}
-    return apply_state_plan(placement, functools.wraps(step)(stepped), tuple(args), donate_argnums=donate_argnums)
+    return apply_state_plan(placement, stepped, tuple(args), donate_argnums=donate_argnums)

@@ -1070,10 +1070,11 @@ def state_layout(tgt: Any) -> tuple[tuple[Any, ...], dict[str, list[int]], dict[
 
     step = functools.partial(tgt.step_fn, **dict(tgt.kwargs)) if tgt.kwargs else tgt.step_fn
     args = tuple(tgt.args)
-    groups = state_groups(tgt.step_fn, args)
+    out = jax.eval_shape(step, *args)  # traced once, for the groups and their outputs
+    groups = state_groups(step, args, out=out)
     by_leaf = {(g.argnum, leaf): g.name for g in groups if g.updated for leaf in g.leaves}
     outputs: dict[str, list[int]] = {}
-    leaves = jax.tree_util.tree_flatten_with_path(jax.eval_shape(step, *args))[0]
+    leaves = jax.tree_util.tree_flatten_with_path(out)[0]
     for k, (path, _) in enumerate(leaves):
         if path and isinstance(path[0], SequenceKey):
             name = by_leaf.get((path[0].idx, keystr(path[1:])))
@@ -1218,12 +1219,10 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     plan_obj = build(problem, decisions, result)
     searched = problem
     settle_note = None
-    hosted = [c.key for c in problem.candidates if c.state is not None and decisions.action(c.key) != Action.DEVICE]
-    if hosted:
-        # the check below re-lowers the step with the plan's policy only (argument placements are
-        # applied by hloopt.apply_plan(plan, step, args)); on TPU no group leaves the device
-        pass
-    elif (budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
+    # the check re-lowers the step with the plan's policy only, not its argument placements
+    # (hloopt.apply_plan(plan, step, args) applies those); on TPU no group leaves the device
+    hosted = any(c.state is not None and decisions.action(c.key) != Action.DEVICE for c in problem.candidates)
+    if (not hosted and budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
             and compile is None and an.memory is not None):
         with progress("checking the plan against the memory model (re-lowering with its policy)"):
             plan_obj, decisions, result, problem, settle_note = _settle_on_the_model(

@@ -124,12 +124,14 @@ def _nbytes(x: Any) -> int:
     return int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
 
 
-def _updated_paths(step: Callable[..., Any], args: tuple[Any, ...]) -> set[tuple[int, str]]:
-    """``(argnum, keystr)`` of the argument leaves the step returns updated (module docstring)."""
+def _updated_paths(step: Callable[..., Any], args: tuple[Any, ...], out: Any = None) -> set[tuple[int, str]]:
+    """``(argnum, keystr)`` of the argument leaves the step returns updated (module docstring);
+    ``out``: the step's ``jax.eval_shape`` when the caller has it already."""
     import jax
     from jax.tree_util import SequenceKey, keystr
 
-    out = jax.eval_shape(step, *args)
+    if out is None:
+        out = jax.eval_shape(step, *args)
     outs: dict[tuple[int, str], Any] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
         if path and isinstance(path[0], SequenceKey):
@@ -143,13 +145,14 @@ def _updated_paths(step: Callable[..., Any], args: tuple[Any, ...]) -> set[tuple
     return found
 
 
-def state_groups(step: Callable[..., Any], args: tuple[Any, ...]) -> tuple[StateGroup, ...]:
-    """The groups of ``step``'s array arguments (module docstring), in argument and tree order."""
+def state_groups(step: Callable[..., Any], args: tuple[Any, ...], *, out: Any = None) -> tuple[StateGroup, ...]:
+    """The groups of ``step``'s array arguments (module docstring), in argument and tree order;
+    ``out``: the step's ``jax.eval_shape`` when the caller has traced it already."""
     import jax
     from jax.tree_util import keystr
 
     names = _arg_names(step, len(args))
-    updated = _updated_paths(step, args)
+    updated = _updated_paths(step, args, out)
     groups: dict[str, dict[str, Any]] = {}
     for i, arg in enumerate(args):
         for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
