@@ -37,6 +37,16 @@ def gpu_problem():  # type: ignore[no-untyped-def]
     return an, problem
 
 
+@pytest.fixture(scope="module")
+def host_plan(gpu_problem):  # type: ignore[no-untyped-def]
+    """``(budget, outcome)``: the small step planned with its arguments at a budget half the
+    optimizer's state under the all-on-device peak (planned once for the tests that read it)."""
+    an, problem = gpu_problem
+    budget = an.peak_bytes - problem.candidate(OPTIMIZER_KEY).bytes // 2
+    tgt = resolve(TARGET, factory_kwargs=SMALL)
+    return budget, plan(tgt, profile=load_profile("h200"), platform="cuda", budget=str(budget), state=True)
+
+
 def test_argument_groups_are_candidates_with_their_bytes(gpu_problem) -> None:  # type: ignore[no-untyped-def]
     an, problem = gpu_problem
     state = {c.key: c for c in problem.candidates if c.state is not None}
@@ -84,15 +94,12 @@ def test_host_update_time_from_the_host_profile(gpu_problem) -> None:  # type: i
     assert problem.candidate(OPTIMIZER_KEY).remat_s == pytest.approx(expected, rel=1e-12)
 
 
-def test_plan_places_the_state_to_fit_a_budget_the_residuals_cannot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_plan_places_the_state_to_fit_a_budget_the_residuals_cannot(host_plan, tmp_path) -> None:  # type: ignore[no-untyped-def]
     tgt = resolve(TARGET, factory_kwargs=SMALL)
     h200 = load_profile("h200")
-    an, problem = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480")
-    opt = problem.candidate(OPTIMIZER_KEY)
-    budget = an.peak_bytes - opt.bytes // 2
+    budget, out = host_plan
     with pytest.raises(UserError):  # the residuals alone cannot reach it
         plan(tgt, profile=h200, platform="cuda", budget=str(budget))
-    out = plan(tgt, profile=h200, platform="cuda", budget=str(budget), state=True)
     p = out.plan
     assert p.predicted.peak_bytes <= budget
     assert p.host_groups  # something left the device
@@ -111,10 +118,10 @@ def test_plan_places_the_state_to_fit_a_budget_the_residuals_cannot(tmp_path) ->
     assert "optimizer on host (compute_on)" in names and "full + optimizer_memory_host_offload" in names
 
 
-def test_host_budget_limits_what_goes_to_the_host() -> None:
+def test_host_budget_limits_what_goes_to_the_host(gpu_problem) -> None:  # type: ignore[no-untyped-def]
     tgt = resolve(TARGET, factory_kwargs=SMALL)
     h200 = load_profile("h200")
-    an, problem = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480")
+    _, problem = gpu_problem
     opt = problem.candidate(OPTIMIZER_KEY)
     # a host budget below the optimizer's state leaves it out of the candidates
     an2, small = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480",
@@ -130,14 +137,10 @@ def test_tpu_keeps_the_arguments_on_device_and_says_why() -> None:
     assert all("libtpu" in problem.notes[f"kept:{c.key}"] for c in state)
 
 
-def test_apply_plan_refuses_a_host_plan_without_the_arguments(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_apply_plan_refuses_a_host_plan_without_the_arguments(host_plan, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import hloopt
 
-    tgt = resolve(TARGET, factory_kwargs=SMALL)
-    h200 = load_profile("h200")
-    an, problem = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480")
-    budget = an.peak_bytes - problem.candidate(OPTIMIZER_KEY).bytes // 2
-    out = plan(tgt, profile=h200, platform="cuda", budget=str(budget), state=True)
+    _, out = host_plan
     path = tmp_path / "plan.json"
     out.plan.save(path)
     step, _ = wide_adamw.make(**SMALL)
@@ -145,18 +148,14 @@ def test_apply_plan_refuses_a_host_plan_without_the_arguments(tmp_path) -> None:
         hloopt.apply_plan(path, step)
 
 
-def test_plan_applied_to_the_unmodified_step_computes_the_same_numbers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_plan_applied_to_the_unmodified_step_computes_the_same_numbers(host_plan, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """CPU backend: the plan's placement applied with ``apply_plan(plan, step, args)`` to the step
     written with its update on the host (what the plan asks for) gives the original step's numbers."""
     import jax
 
     import hloopt
 
-    tgt = resolve(TARGET, factory_kwargs=SMALL)
-    h200 = load_profile("h200")
-    an, problem = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480")
-    budget = an.peak_bytes - problem.candidate(OPTIMIZER_KEY).bytes // 2
-    p = plan(tgt, profile=h200, platform="cuda", budget=str(budget), state=True).plan
+    p = host_plan[1].plan
     path = tmp_path / "plan.json"
     p.save(path)
     step, args = wide_adamw.make(**SMALL, abstract=False)
@@ -205,15 +204,11 @@ def test_libtpu_agrees_that_moving_the_optimizer_state_off_a_tpu_raises_its_peak
     assert updated["peak_memory_in_bytes"] > written["peak_memory_in_bytes"]
 
 
-def test_html_report_shows_where_each_group_lives(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_html_report_shows_where_each_group_lives(host_plan) -> None:  # type: ignore[no-untyped-def]
     from hloopt.report.adapt import report_data_from_outcome
     from hloopt.report.html import render_html
 
-    tgt = resolve(TARGET, factory_kwargs=SMALL)
-    h200 = load_profile("h200")
-    an, problem = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480")
-    budget = an.peak_bytes - problem.candidate(OPTIMIZER_KEY).bytes // 2
-    out = plan(tgt, profile=h200, platform="cuda", budget=str(budget), state=True)
+    _, out = host_plan
     data = report_data_from_outcome(out)
     rows = {r.key: r for r in data.residuals if r.key.startswith("state:")}
     assert {s.group for s in out.plan.state} == {k[len("state:"):] for k in rows}
@@ -287,7 +282,7 @@ def test_third_party_step_with_its_optimizer_state_on_the_host_computes_the_same
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_maxtext_fragment_carries_the_state_placement() -> None:
+def test_maxtext_fragment_carries_the_state_placement(host_plan) -> None:  # type: ignore[no-untyped-def]
     """MaxText's two booleans say where a whole role lives; a host update has no switch and is
     named in a comment. The fragment is read back with YAML as MaxText reads it."""
     import dataclasses
@@ -296,10 +291,7 @@ def test_maxtext_fragment_carries_the_state_placement() -> None:
 
     from hloopt.emit import maxtext_yaml
 
-    tgt = resolve(TARGET, factory_kwargs=SMALL)
-    h200 = load_profile("h200")
-    an, problem = analyze_target(tgt, h200, platform="cuda", state=True, host="xeon-spr-8480")
-    p = plan(tgt, profile=h200, platform="cuda", budget=str(an.peak_bytes), state=True).plan
+    p = host_plan[1].plan
     assert {s.role for s in p.state} == {"parameters", "optimizer"}
 
     def placed(where: dict[str, str]) -> Plan:
