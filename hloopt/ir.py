@@ -277,6 +277,25 @@ _METADATA_CACHE: dict[str, Metadata] = {}
 _METADATA_CACHE_SIZE = 50_000
 
 
+#: folders an installed package's files lie under, as they appear in HLO written anywhere: a
+#: virtualenv's or the system's ``site-packages``, Debian's ``dist-packages``, and the
+#: ``<site-packages>`` placeholder of this repository's zoo snapshots
+_PACKAGE_ROOTS = ("/site-packages/", "/dist-packages/", "<site-packages>/")
+
+
+def package_path(file: str) -> str:
+    """``file`` by its package path when it lies in an installed package
+    (``/root/.venv/lib/python3.11/site-packages/transformers/x.py`` -> ``transformers/x.py``),
+    unchanged otherwise. HLO a user brings (an XLA dump from any machine) names library files by
+    the absolute path of the environment it was written in; reports name them the same way
+    whichever environment that was, as lowering here does (:func:`hloopt.lowering.relative_paths`)."""
+    for root in _PACKAGE_ROOTS:
+        k = file.rfind(root)
+        if k >= 0:
+            return file[k + len(root):]
+    return file
+
+
 @dataclass(frozen=True, slots=True)
 class StackFrame:
     """One frame of the StackFrames table: resolved file, function, line and parent frame id."""
@@ -538,14 +557,15 @@ class Module:
         )
 
     def source_of(self, inst: Instruction) -> tuple[str, int] | None:
-        """Best source location of an instruction: metadata, else the innermost stack frame."""
+        """Best source location of an instruction: metadata, else the innermost stack frame (an
+        installed package's file by its package path, :func:`package_path`)."""
         md = inst.metadata
         if md.source_file:
-            return md.source_file, md.source_line
+            return package_path(md.source_file), md.source_line
         if md.stack_frame_id:
             fr = self.stack_frame(md.stack_frame_id)
             if fr is not None:
-                return fr.file, fr.line
+                return package_path(fr.file), fr.line
         return None
 
     def user_source_of(self, inst: Instruction, *, skip: Sequence[str] = ()) -> tuple[str, int] | None:
@@ -557,8 +577,9 @@ class Module:
             fr = self.stack_frame(fid)
             if fr is None:
                 break
-            if not any(s in fr.file for s in skip):
-                return fr.file, fr.line
+            file = package_path(fr.file)
+            if not any(s in file for s in skip):
+                return file, fr.line
             fid = fr.parent_id
             seen += 1
         return self.source_of(inst)
@@ -728,6 +749,6 @@ def parse_string_map(text: str) -> dict[str, str]:
 __all__ = [
     "AliasEntry", "Computation", "ELEMENT_TYPES", "HOST_MEMORY_SPACE", "Instruction", "ON_CHIP_MEMORY_SPACE", "Layout",
     "LOGICAL_BITS", "Metadata", "Module", "STORAGE_BITS", "Shape", "StackFrame",
-    "gc_paused", "parse_metadata", "parse_string_map", "quote", "unquote",
+    "gc_paused", "package_path", "parse_metadata", "parse_string_map", "quote", "unquote",
 ]
 

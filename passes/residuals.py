@@ -64,10 +64,11 @@ from hloopt.passes.loops import trip_count
 from hloopt.passes.opcodes import ASYNC_COPIES, BARRIERS, CONTROL_FLOW, VIEWS
 
 #: path fragments of library frames skipped when looking for the user's source line: JAX and the
-#: frameworks models are built with (hloopt.lowering writes installed files by package path,
-#: ``flax/linen/module.py``; an absolute path means a package installed somewhere unusual)
-LIBRARY_PATHS: tuple[str, ...] = ("site-packages/", "dist-packages/", "<site-packages>", "jax/_src/", "jaxlib/",
-                                  *(f"{p}/" for p in FRAMEWORK_PACKAGES))
+#: frameworks models are built with, by package path (``flax/linen/module.py``: lowering writes
+#: installed files so, and :func:`hloopt.ir.package_path` reads a dump's absolute paths so). A
+#: model library's own layers (``transformers/``, ``levanter/``, ``maxtext/``) are not skipped:
+#: they are the lines a user recognizes
+LIBRARY_PATHS: tuple[str, ...] = ("jax/_src/", "jaxlib/", *(f"{p}/" for p in FRAMEWORK_PACKAGES))
 
 #: ops that only re-view or move a value (looked through to find the producing op)
 _VIEW_OPS = VIEWS | ASYNC_COPIES | BARRIERS | {"copy", "transpose", "convert", "get-tuple-element"}

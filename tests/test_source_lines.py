@@ -134,3 +134,51 @@ def test_call_sites_and_hlo_locations_compare_by_package_path() -> None:
     for folder in package_folders():
         assert relative_source(f"{folder}maxtext/layers/attentions.py") == "maxtext/layers/attentions.py"
     assert relative_source(os.path.join(os.getcwd(), "model.py")) == "model.py"
+
+
+DUMPED = """HloModule dumped
+
+FileNames
+1 "/home/someone/.venv/lib/python3.11/site-packages/transformers/models/bert/modeling_flax_bert.py"
+2 "/usr/lib/python3/dist-packages/flax/linen/linear.py"
+3 "/opt/conda/lib/python3.12/site-packages/jax/_src/numpy/lax_numpy.py"
+
+FunctionNames
+1 "__call__"
+2 "__call__"
+3 "matmul"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=412 end_line=412 column=8 end_column=30}
+2 {file_name_id=2 function_name_id=2 line=250 end_line=250 column=4 end_column=40}
+3 {file_name_id=3 function_name_id=3 line=90 end_line=90 column=4 end_column=20}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=0}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=2}
+
+ENTRY e {
+  x = f32[8,8] parameter(0)
+  w = f32[8,8] parameter(1)
+  ROOT d = f32[8,8] dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/dot_general" stack_frame_id=3}
+}
+"""
+
+
+def test_hlo_written_in_another_environment_names_library_files_by_package_path() -> None:
+    """An XLA dump a user brings names installed files by the absolute path of the environment
+    it was written in; hloopt locates the op at the model library's line (transformers, not
+    flax's Dense nor jax's matmul), by package path, and names each frame so."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.passes.residuals import LIBRARY_PATHS
+
+    module = parse_module(DUMPED)
+    dot = module.entry.root
+    assert module.source_of(dot) == ("jax/_src/numpy/lax_numpy.py", 90)
+    assert module.user_source_of(dot, skip=LIBRARY_PATHS) == ("transformers/models/bert/modeling_flax_bert.py", 412)
+    # a user's own file outside any installed package keeps its path
+    mine = DUMPED.replace("/home/someone/.venv/lib/python3.11/site-packages/transformers/models/bert/"
+                          "modeling_flax_bert.py", "/home/someone/model.py")
+    other = parse_module(mine)
+    assert other.user_source_of(other.entry.root, skip=LIBRARY_PATHS) == ("/home/someone/model.py", 412)
