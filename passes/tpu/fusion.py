@@ -12,16 +12,22 @@ buffer takes: the :class:`FusionPlan` generic liveness takes
   sharding marker, or the one-hot scatter of ``take_along_axis``'s gradient
   (:func:`is_one_hot_scatter`), which XLA rewrites into a compare/select. It stays materialized
   when it feeds loop state, a tuple or the root (XLA writes the last fused op there), unless it is
-  a scalar or a constant. Reductions, dots, convolutions, gathers/scatters,
-  dynamic-(update-)slices, sorts, loops and calls are fusion roots: they hold their result.
+  a scalar or a constant, and when one of its readers is a select-and-scatter (the max-pool
+  gradient), into which nothing fuses: XLA fuses a producer into all its readers or none.
+  Reductions, dots, convolutions, gathers/scatters, dynamic-(update-)slices, sorts, loops and
+  calls are fusion roots: they hold their result.
+* **Model inputs copied for convolutions** (:func:`convolution_input_copies`): a convolution reads
+  its input with the contracted dimension tiled; an entry parameter read (through transposes)
+  with that dimension elsewhere, an NCHW image, is copied once into the convolutions' layout.
 * **Layout boundaries** (:func:`layout_boundaries`): libtpu rewrites a forward convolution over a
   batch below the 8 sublanes into another layout (spatial rows folded into the batch, ``0b1f``)
   and computes the element-wise values after it in that layout; a value of that region read
   outside it cannot fuse across the layout change: libtpu materializes it and copies it to the
   batch/feature-minor layout. Those values are materialized here, laid out like the convolution.
 * **Sizes**: each materialized value at its per-device shape (:func:`hloopt.spmd.shard_dims` of
-  the propagated sharding), in the most compact tiled layout (:mod:`hloopt.passes.tpu.layout`),
-  bf16 where libtpu stores it so (:mod:`hloopt.passes.tpu.storage`).
+  the propagated sharding), in the most compact tiled layout (:mod:`hloopt.passes.tpu.layout`)
+  or the one its convolutions read it in, bf16 where libtpu stores it so
+  (:mod:`hloopt.passes.tpu.storage`).
 
 Code size: libtpu's ``peak_memory_in_bytes`` includes the program's generated code, which is
 unknowable before compiling (15-60% of the tiny zoo models' peak, well under 1% of a real
@@ -70,6 +76,10 @@ def is_one_hot_scatter(inst: Instruction) -> bool:
 
 
 
+#: readers no producer fuses into on TPU: the max-pool gradient (libtpu's compiled ResNet writes
+#: the relu output its pool and that pool's gradient read to a buffer of its own)
+_NOT_FUSION_CONSUMERS = frozenset({"select-and-scatter"})
+
 #: readers through which a value becomes loop state or a tuple element (with the root: stays materialized)
 _STATE_READERS = CONTROL_FLOW | {"tuple", "parameter"}
 
@@ -84,6 +94,8 @@ def fused_instructions(module: Module) -> set[Instruction]:
                 or offloaded_into_stack(inst)
             if not fusible or inst.shape.is_tuple or inst.is_root:
                 continue
+            if any(u.opcode in _NOT_FUSION_CONSUMERS for u in inst.users):
+                continue  # read where it cannot fuse: XLA fuses a producer into all readers or none
             # one walk over the users: does one of them hold loop state or the output (a
             # root, a loop, a tuple), and is one of them the root
             feeds_root = feeds_state = False
@@ -158,6 +170,71 @@ def layout_boundaries(module: Module, fused: set[Instruction]) -> set[Instructio
 
 
 
+#: ops a model input passes through, unchanged in value, on its way to a convolution
+_INPUT_VIEWS = frozenset({"transpose", "convert", "copy", "bitcast"})
+
+
+def _lhs_pair(conv: Instruction) -> tuple[int, int] | None:
+    """(feature, batch) dimensions of a convolution's input (``dim_labels``' left of ``_``)."""
+    lhs = conv.attrs.get("dim_labels", "").split("_")[0]
+    if "f" not in lhs or "b" not in lhs or len(lhs) != len(conv.operands[0].shape.dims):
+        return None
+    return lhs.index("f"), lhs.index("b")
+
+
+def convolution_input_copies(module: Module) -> dict[Instruction, tuple[int, int]]:
+    """Model inputs libtpu copies into a convolution's layout: value -> (lane, sublane) dims.
+
+    A convolution contracts its input's feature dimension on the MXU, so that dimension must be
+    one of the two tiled (minor) dimensions of the buffer it reads. An entry parameter keeps the
+    layout it is passed in; when a convolution reads it (through transposes and converts) with the
+    feature dimension elsewhere (an NCHW image made NHWC, whose channels are the parameter's
+    third-minor dimension), libtpu writes the value the convolutions read into a buffer of its
+    own: one copy, shared by every convolution reading that value (the forward convolution and
+    its kernel gradient), live from the first to the last. Its layout puts one reader's feature
+    and batch dimensions on the lanes and sublanes, the order and reader with the fewest padded
+    bytes (libtpu's compiled ResNet: ``bf16[8,3,32,32]{0,1,3,2:T(4,128)(2,1)}``, batch on the
+    lanes and channels on the sublanes, for an ``f32[8,3,32,32]{3,2,1,0}`` image). Where the
+    feature dimension is already minor (Whisper's mel frames) the convolution reads the
+    parameter as it is."""
+    entry = module.entry
+    if entry is None:
+        return {}
+    pairs: dict[Instruction, list[tuple[int, int]]] = {}
+    for conv in entry.instructions:
+        if conv.opcode != "convolution" or len(conv.operands) != 2:
+            continue
+        lhs = conv.operands[0]
+        pair = _lhs_pair(conv)
+        if pair is None or lhs.opcode not in _INPUT_VIEWS or not lhs.shape.is_array:
+            continue
+        feature = pair[0]
+        v = lhs
+        while v.opcode in _INPUT_VIEWS and v.operands:
+            if v.opcode == "bitcast" and v.operands[0].shape.dims != v.shape.dims:
+                break
+            if v.opcode == "transpose":
+                perm = v.attr_ints("dimensions")
+                if len(perm) != len(v.shape.dims):
+                    break
+                feature = perm[feature]
+            v = v.operands[0]
+        if v.opcode != "parameter" or not v.shape.is_array:
+            continue
+        rank = len(v.shape.dims)
+        layout = v.shape.layout
+        m2m = layout.minor_to_major if layout is not None and layout.minor_to_major else tuple(range(rank - 1, -1, -1))
+        if feature in m2m[:2]:
+            continue
+        pairs.setdefault(lhs, []).append(pair)
+    out: dict[Instruction, tuple[int, int]] = {}
+    for value, found in pairs.items():
+        # sized as bf16, as default-precision convolutions store it (the order is the same in f32)
+        options = [(f, b) for f, b in found] + [(b, f) for f, b in found]
+        out[value] = min(options, key=lambda p: (tpu_layout_bytes("bf16", value.shape.dims, *p, alignment_bytes=1), p))
+    return out
+
+
 @dataclass(eq=False)
 class FusionPlan:
     """Result of :class:`TpuFusion`."""
@@ -170,6 +247,9 @@ class FusionPlan:
     alignment_bytes: int = 512
     #: f32 values stored as bf16 (:func:`bf16_stored`)
     narrowed: frozenset[Instruction] = frozenset()
+    #: values laid out for the convolutions that read them: (lane, sublane) dims
+    #: (:func:`convolution_input_copies`)
+    conv_layouts: dict[Instruction, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def value_bytes(self, inst: Instruction, index: tuple[int, ...] = (), *, narrowed: bool = False) -> int:
         """Per-device HBM bytes of the value at ``inst``'s shape ``index`` (0 when fused away);
@@ -194,6 +274,9 @@ class FusionPlan:
             dims = activation_minor_dims(src) if src is not None else None
             if dims is not None:
                 return tpu_layout_bytes(dtype, shard_dims(shape, s), *dims, alignment_bytes=self.alignment_bytes)
+        if not index and inst in self.conv_layouts:
+            return tpu_layout_bytes(dtype, shard_dims(shape, s), *self.conv_layouts[inst],
+                                    alignment_bytes=self.alignment_bytes)
         return tpu_compact_bytes(dtype, shard_dims(shape, s), alignment_bytes=self.alignment_bytes)
 
     def buffer_bytes(self, buffer: Buffer) -> int:
@@ -219,9 +302,12 @@ class TpuFusion(Analysis[FusionPlan]):
     def run(self, module: Module, am: AnalysisManager) -> FusionPlan:
         fused = fused_instructions(module)
         fused -= layout_boundaries(module, fused)
+        copies = convolution_input_copies(module)
+        fused -= copies.keys()
         narrowed = bf16_stored(module, fused) | (bf16_stacks(module) if self.narrow_stacks else set())
         return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
-                          frozenset(narrowed))
+                          frozenset(narrowed), copies)
 
 
-__all__ = ["FusionPlan", "TpuFusion", "fused_instructions", "is_one_hot_scatter", "layout_boundaries"]
+__all__ = ["FusionPlan", "TpuFusion", "convolution_input_copies", "fused_instructions", "is_one_hot_scatter",
+           "layout_boundaries"]

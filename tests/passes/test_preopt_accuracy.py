@@ -605,6 +605,68 @@ def test_values_crossing_out_of_a_rewritten_convolutions_layout_are_materialized
     assert activation_minor_dims(n) == (3, 0)
 
 
+_CONV_INPUT_MODULE = """HloModule conv_input
+region_max {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT m = f32[] maximum(a, b)
+}
+region_ge {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT c = pred[] compare(a, b), direction=GE
+}
+region_add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+ENTRY e {
+  x = f32[8,3,32,32]{3,2,1,0} parameter(0)
+  w = f32[7,7,3,16]{3,2,1,0} parameter(1)
+  g = f32[8,16,16,16]{3,2,1,0} parameter(2)
+  gp = f32[8,8,8,16]{3,2,1,0} parameter(3)
+  t = f32[8,32,32,3]{2,1,3,0} transpose(x), dimensions={0,2,3,1}
+  y = f32[8,16,16,16] convolution(t, w), window={size=7x7 stride=2x2 pad=3_3x3_3}, dim_labels=b01f_01io->b01f
+  z = f32[] constant(0)
+  zb = f32[8,16,16,16] broadcast(z), dimensions={}
+  relu = f32[8,16,16,16] maximum(y, zb)
+  pool = f32[8,8,8,16] reduce-window(relu, z), window={size=1x3x3x1 stride=1x2x2x1 pad=0_0x1_1x1_1x0_0}, to_apply=region_max
+  dpool = f32[8,16,16,16] select-and-scatter(relu, gp, z), window={size=1x3x3x1 stride=1x2x2x1 pad=0_0x1_1x1_1x0_0}, select=region_ge, scatter=region_add
+  dy = f32[8,16,16,16] multiply(dpool, g)
+  dw = f32[7,7,3,16] convolution(t, dy), window={size=16x16 pad=3_2x3_2 rhs_dilate=2x2}, dim_labels=f01b_i01o->01bf
+  ROOT r = (f32[8,8,8,16], f32[7,7,3,16]) tuple(pool, dw)
+}"""
+
+
+def test_model_input_copied_into_the_convolutions_layout_and_pool_operand_materialized() -> None:
+    """A ResNet's stem, as JAX lowers it (libtpu 0.0.42 compiles transformers' Flax ResNet so):
+    the NCHW image made NHWC by a transpose has its channels third-minor in the parameter's
+    layout, where no convolution reads them; libtpu writes one bf16 copy both convolutions read
+    (the forward one and the kernel gradient), batch on the lanes (8 -> 128) and channels on the
+    sublanes (3 -> a bf16 tile of 4): 32 x 32 x 4 x 128 x 2 B = 1 MiB, the
+    ``bf16[8,3,32,32]{0,1,3,2:T(4,128)(2,1)}`` of its compiled module. The relu output the pool
+    and the pool's gradient (a select-and-scatter, into which nothing fuses) read is materialized.
+    Features already among the parameter's two minor dimensions (Whisper's mel bins): no copy."""
+    from hloopt.passes.tpu.fusion import convolution_input_copies
+
+    mod = parse_module_text(_CONV_INPUT_MODULE)
+    plan = AnalysisManager(mod).get(TpuFusion())
+    t, relu = mod.entry["t"], mod.entry["relu"]
+    assert t not in plan.fused and t in plan.narrowed
+    assert plan.value_bytes(t) == 32 * 32 * 4 * 128 * 2
+    assert relu not in plan.fused and plan.value_bytes(relu) == 16 * 16 * 8 * 128 * 4
+    assert mod.entry["zb"] in plan.fused
+    whisper = """HloModule mel
+ENTRY e {
+  x = f32[2,80,128]{2,1,0} parameter(0)
+  w = f32[3,80,64]{2,1,0} parameter(1)
+  t = f32[2,128,80]{1,2,0} transpose(x), dimensions={0,2,1}
+  ROOT y = f32[2,128,64] convolution(t, w), window={size=3 pad=1_1}, dim_labels=b0f_0io->b0f
+}"""
+    assert convolution_input_copies(parse_module_text(whisper)) == {}
+
+
 def test_libtpu_lands_every_copy_from_host_in_hbm() -> None:
     """The premise of ``hbm_pinned`` (passes/memory.py): in every compiled offloaded zoo module,
     tiny and small, each ``copy-start`` or ``dynamic-slice-start`` that reads host memory writes
