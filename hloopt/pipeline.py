@@ -525,7 +525,7 @@ def add_state_candidates(an: Analyzed, problem: Problem, smap: StepMap, groups: 
     opt_bytes = sum(m[1] for m in optimizer)
     if optimizer and (host_budget_bytes is None or opt_bytes <= host_budget_bytes):
         allowed = {Action.DEVICE, Action.OFFLOAD}
-        remat_s = 0.0
+        remat_s = host_s = 0.0
         sizes = [(elements or {}).get(m[0], (0, 4)) for m in forward]
         params_elements = sum(n for n, _ in sizes)
         param_bytes = max((b for _, b in sizes), default=4)
@@ -536,15 +536,15 @@ def add_state_candidates(an: Analyzed, problem: Problem, smap: StepMap, groups: 
             from hloopt.hosts import optimizer_update_host_s
 
             moved = sum(n * b for n, b in sizes)  # gradients out, new parameters in
-            remat_s = (optimizer_update_host_s(host, params_elements, param_bytes) * max(1, host_share)
-                       + moved / max(problem.d2h_bytes_per_s, 1.0) + moved / max(problem.h2d_bytes_per_s, 1.0)
+            host_s = optimizer_update_host_s(host, params_elements, param_bytes) * max(1, host_share)
+            remat_s = (host_s + moved / max(problem.d2h_bytes_per_s, 1.0) + moved / max(problem.h2d_bytes_per_s, 1.0)
                        + 2 * problem.transfer_latency_s)
             allowed.add(Action.REMAT)
         names = ", ".join(m[0] for m in optimizer)
         candidates.append(Candidate(
             key=OPTIMIZER_KEY, name=None, selector=f"optimizer state ({names})",
             instances=(Instance(opt_bytes, 0, 0, smap.at(min(m[2] for m in optimizer)), last),),
-            allowed=frozenset(allowed), remat_s=remat_s, source=names, shape="optimizer state",
+            allowed=frozenset(allowed), remat_s=remat_s, host_compute_s=host_s, source=names, shape="optimizer state",
             remat_transient=Action.REMAT in allowed, state=names))
         total += opt_bytes
         for m in optimizer:

@@ -85,6 +85,9 @@ class Candidate:
     allowed: frozenset[Action] = frozenset({Action.DEVICE, Action.OFFLOAD})
     #: Extra compute seconds to recompute all instances (if REMAT is allowed).
     remat_s: float = 0.0
+    #: Of ``remat_s``, the seconds the host's CPU computes (the optimizer update on the host:
+    #: REMAT of the optimizer-state candidate); reports show them beside the device's compute.
+    host_compute_s: float = 0.0
     #: Source location for reports (file:line), if known.
     source: str = ""
     #: Shape text of one instance, for reports.

@@ -10,6 +10,8 @@ arguments on device.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -92,6 +94,9 @@ def test_host_update_time_from_the_host_profile(gpu_problem) -> None:  # type: i
     expected = (optimizer_update_host_s(spr, n, 4) * share + n * 4 / h200.d2h_bytes_per_s
                 + n * 4 / h200.h2d_bytes_per_s + 2 * h200.transfer_latency_s)
     assert problem.candidate(OPTIMIZER_KEY).remat_s == pytest.approx(expected, rel=1e-12)
+    # the host's CPU's part of it, which reports show beside the device's compute
+    assert problem.candidate(OPTIMIZER_KEY).host_compute_s == pytest.approx(optimizer_update_host_s(spr, n, 4) * share,
+                                                                           rel=1e-12)
 
 
 def test_plan_places_the_state_to_fit_a_budget_the_residuals_cannot(host_plan, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -215,8 +220,30 @@ def test_html_report_shows_where_each_group_lives(host_plan) -> None:  # type: i
     for s in out.plan.state:
         assert rows[f"state:{s.group}"].action == s.placement and rows[f"state:{s.group}"].bytes == s.bytes
     assert data.assumptions["argument groups in host memory"] == ", ".join(out.plan.host_groups)
+    # host memory over the step: the simulator's host timeline, whose most is the plan's figure
+    assert data.host_timeline == list(out.result.host_timeline_bytes)
+    assert max(data.host_timeline) == out.plan.host_peak_bytes > 0
+    assert data.host_budget_bytes == out.plan.host_budget_bytes
+    # compute on each side: the steps' roofline plus what the plan recomputes; the optimizer
+    # update's host seconds where the plan computes it there
+    recomputed = {d.key for d in out.plan.of("remat")}
+    assert data.device_compute_s == pytest.approx(sum(s.duration_s for s in out.problem.steps) + sum(
+        c.remat_s for c in out.problem.candidates if c.key in recomputed), rel=1e-12)
+    opt = out.problem.candidate(OPTIMIZER_KEY)
+    assert data.host_compute_s == (opt.host_compute_s if out.plan.host_update else 0.0)
     html = render_html(data)
     assert "opt_state[0].mu" in html and "argument groups in host memory" in html
+    assert 'id="host-chart"' in html and "Compute, device / host" in html
+    # 256 GiB of host budget beside 1 MiB used: written, not drawn; a budget near the use is drawn
+    assert 'id="host-budget-label"' in html and 'id="host-budget-line"' not in html
+    import dataclasses
+
+    near = render_html(dataclasses.replace(data, host_budget_bytes=2 * max(data.host_timeline)))
+    assert 'id="host-budget-line"' in near
+    # a report re-rendered from its JSON is the same page
+    from hloopt.report import ReportData
+
+    assert render_html(ReportData.from_dict(json.loads(data.to_json()))) == html
 
 
 OPT_GROUPS = ("opt_state[0].count", "opt_state[0].mu", "opt_state[0].nu")

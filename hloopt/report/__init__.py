@@ -112,6 +112,14 @@ class ReportData:
     mesh: Sequence[int] = ()
     #: What was analyzed, as the user named it (``fixtures/zoo/llama.py:small``, a file); "" unknown.
     target: str = ""
+    #: Host memory the plan holds per step (argument groups placed there, offloaded residuals;
+    #: None: state not planned), and the host memory it may fill.
+    host_timeline: Sequence[int] | None = None
+    host_budget_bytes: int | None = None
+    #: Modeled compute seconds of one step on the device (with the plan's recomputation) and on
+    #: the host's CPU (the optimizer update, where the plan computes it there); None: unknown.
+    device_compute_s: float | None = None
+    host_compute_s: float | None = None
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -140,6 +148,8 @@ class ReportData:
                 raise ValueError(f"plan_timeline: {len(self.plan_timeline)} values for {n} steps")
             if self.plan_peak_step is not None and not 0 <= self.plan_peak_step < n:
                 raise ValueError(f"plan_peak_step {self.plan_peak_step} outside 0..{n - 1}")
+        if self.host_timeline is not None and len(self.host_timeline) != n:
+            raise ValueError(f"host_timeline: {len(self.host_timeline)} values for {n} steps")
         if self.step_start_s and len(self.step_start_s) not in (n, n + 1):
             raise ValueError(f"step_start_s: {len(self.step_start_s)} values for {n} steps")
         if self.step_backward and len(self.step_backward) != n:

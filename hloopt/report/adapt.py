@@ -393,6 +393,13 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
     if entry_of_step is not None and 0 <= peak < len(entry_of_step) and rep[entry_of_step[peak]] >= 0:
         live = _live_buffers(lr, cats, rep[entry_of_step[peak]], limit=top, actions=actions)
     budget = plan.budget.bytes if plan.budget else None
+    # compute: the steps' roofline and the residuals the plan recomputes, on the device; the
+    # optimizer update where the plan computes it on the host (the host's part of its candidate's
+    # time; argument groups have no Decision, their placement is plan.state)
+    recomputed = {d.key for d in plan.decisions if d.action == "remat"}
+    device_s = sum(s.duration_s for s in problem.steps) + sum(c.remat_s for c in problem.candidates
+                                                              if c.key in recomputed)
+    host_s = sum(c.host_compute_s for c in problem.candidates if c.state is not None) if plan.host_update else 0.0
     return ReportData(
         module_name=plan.module,
         device=dict(plan.device),
@@ -408,6 +415,11 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
         step_start_s=[float(x) for x in res.step_start_s],
         step_backward=[bool(s.backward) for s in problem.steps],
         live_at_peak=tuple(live),
+        host_timeline=[int(x) for x in res.host_timeline_bytes] if plan.state and len(res.host_timeline_bytes)
+        == len(problem.steps) else None,
+        host_budget_bytes=plan.host_budget_bytes if plan.state else None,
+        device_compute_s=float(device_s),
+        host_compute_s=float(host_s) if plan.state else None,
         residuals=tuple(ResidualRow(d.key, d.name or "", d.shape, d.bytes, d.layers, d.action, d.reason, d.source)
                         for d in plan.decisions)
         # where the step's argument groups live (plan --state): one row each, their placement as the action

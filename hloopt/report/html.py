@@ -204,6 +204,55 @@ def _memory_svg(data: ReportData, ds: Mapping[str, Any], colors: Mapping[str, st
     return "".join(parts)
 
 
+def _host_svg(data: ReportData, edges: np.ndarray) -> str:
+    """Host memory the plan holds over the schedule (the simulator's host timeline), each bucket
+    at its highest step, with the host budget: the same steps as the device chart above."""
+    if data.host_timeline is None:
+        return ""
+    n = data.num_steps
+    host = np.asarray(data.host_timeline, dtype=np.int64)
+    values = np.maximum.reduceat(host, edges[:-1]) if n else host
+    H = 200
+    PH = H - _MT - _MB
+    most = int(values.max(initial=0))
+    budget = data.host_budget_bytes
+    # a host budget far above what the plan holds (hundreds of GiB of DRAM) is written, not drawn
+    drawn = budget is not None and budget <= 4 * max(most, 1)
+    ymax = max(most, budget if drawn and budget is not None else 0, 1) * 1.1
+
+    def X(step: float) -> float:
+        return _ML + _PW * step / max(n, 1)
+
+    def Y(v: float) -> float:
+        return _MT + PH * (1 - v / ymax)
+
+    parts = [f'<svg id="host-chart" class="chart" viewBox="0 0 {_W} {H}" role="img" '
+             f'aria-label="Host memory over the schedule" data-steps="{n}">']
+    for t in _byte_ticks(ymax):
+        y = Y(t)
+        parts.append(f'<line class="grid" x1="{_ML}" x2="{_W - _MR}" y1="{_f(y)}" y2="{_f(y)}"/>')
+        parts.append(f'<text class="tick" x="{_ML - 6}" y="{_f(y + 4)}" text-anchor="end">'
+                     f'{_esc(format_bytes(t))}</text>')
+    parts.append(f'<text class="tick" x="12" y="{_f(_MT + PH / 2)}" text-anchor="middle" '
+                 f'transform="rotate(-90 12 {_f(_MT + PH / 2)})">host memory</text>')
+    xs = [X(e) for e in edges]
+    if len(values):
+        top = "L".join(f"{_f(xs[i])} {_f(Y(v))}L{_f(xs[i + 1])} {_f(Y(v))}" for i, v in enumerate(values))
+        parts.append(f'<path id="host-area" class="area" fill="var(--h2d)" fill-opacity="0.35" '
+                     f'd="M{_f(xs[0])} {_f(Y(0))}L{top}L{_f(xs[-1])} {_f(Y(0))}Z"/>')
+    if budget is not None and drawn:
+        yl = _f(Y(budget))
+        parts.append(f'<line id="host-budget-line" class="budget" x1="{_ML}" x2="{_W - _MR}" y1="{yl}" y2="{yl}"/>')
+        parts.append(f'<text class="lbl budget-t" x="{_W - _MR - 4}" y="{_f(Y(budget) - 5)}" '
+                     f'text-anchor="end">host budget {_esc(format_bytes(budget))}</text>')
+    elif budget is not None:
+        parts.append(f'<text id="host-budget-label" class="lbl budget-t" x="{_W - _MR - 4}" y="{_MT + 12}" '
+                     f'text-anchor="end">host budget {_esc(format_bytes(budget))} (above the scale)</text>')
+    parts.append(f'<line class="axis" x1="{_ML}" x2="{_W - _MR}" y1="{_MT + PH}" y2="{_MT + PH}"/>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 def _merge_intervals(iv: list[tuple[float, float, str]], min_gap: float) -> list[tuple[float, float, str, int]]:
     out: list[tuple[float, float, str, int]] = []
     for a, b, name in sorted(iv):
@@ -328,6 +377,13 @@ def _summary_cards(data: ReportData) -> str:
                   f"({(data.plan_step_time_s / data.baseline_step_time_s - 1) * 100:+.1f}%)" \
                 if data.baseline_step_time_s else f"with plan {format_seconds(data.plan_step_time_s)}"
         cards.append(("Step time", format_seconds(data.baseline_step_time_s), sub))
+    if data.device_compute_s is not None and data.host_compute_s is not None:
+        cards.append(("Compute, device / host", f"{format_seconds(data.device_compute_s)} / "
+                      f"{format_seconds(data.host_compute_s)}",
+                      "host: the optimizer update" if data.host_compute_s else "nothing computed on the host"))
+    if data.host_timeline is not None:
+        cards.append(("Host memory with plan", format_bytes(max(data.host_timeline, default=0)),
+                      "" if data.host_budget_bytes is None else f"of {format_bytes(data.host_budget_bytes)} allowed"))
     hbm = data.device.get("hbm_bytes")
     if hbm:
         cards.append(("HBM per device", format_bytes(hbm), str(data.device.get("name", ""))))
@@ -371,6 +427,11 @@ def render_html(data: ReportData) -> str:
                         f'<p class="note">The plan\'s replay over one step: {n_out} offloads and '
                         f'{len(data.transfers) - n_out} reloads beside the compute; hover a bar for its residual.</p>'
                         f'{transfer}</section>')
+    host_sec = ""
+    if data.host_timeline is not None:
+        host_sec = ('<section><h2>Host memory</h2><p class="note">What the plan keeps in host memory over '
+                    'the same steps: argument groups placed there and offloaded residuals, with the host '
+                    'budget.</p><div class="chartbox">' + _host_svg(data, ds["edges"]) + '</div></section>')
     with_plan = any(b.action for b in data.live_at_peak)
     live_rows = [[(b.name, b.name), (b.shape, b.shape), (format_bytes(b.bytes), b.bytes), (b.category, b.category)]
                  + ([(b.action or "-", b.action)] if with_plan else [])
@@ -403,7 +464,7 @@ def render_html(data: ReportData) -> str:
         "LEGEND": legend,
         "MEMORY_SVG": _memory_svg(data, ds, colors),
         "STEPS_NOTE": _esc(f"{n} steps.{sampled}"),
-        "TRANSFER": transfer_sec,
+        "TRANSFER": host_sec + transfer_sec,
         "LIVE": live,
         "RESIDUALS": residuals,
         "DEVICE_TABLE": device,
