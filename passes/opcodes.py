@@ -72,5 +72,13 @@ def is_identity_call(inst: Instruction) -> bool:
     return inst.opcode == "custom-call" and inst.custom_call_target in IDENTITY_CALLS
 
 
+def is_elementwise_dot(inst: Instruction) -> bool:
+    """A dot that contracts nothing (``einsum("...hqk,h->...hqk")``, BERT's head mask): XLA's
+    algebraic simplifier rewrites it as a multiply of broadcasts, elementwise, with no matmul
+    (libtpu's compiled BERT has a fused ``multiply`` and no buffer where JAX wrote the dot)."""
+    return inst.opcode == "dot" and not inst.attr_ints("lhs_contracting_dims") \
+        and not inst.attr_ints("rhs_contracting_dims")
+
+
 __all__ = ["ASYNC_COPIES", "BARRIERS", "COLLECTIVES", "CONTROL_FLOW", "ELEMENTWISE", "FUSIBLE", "IDENTITY_CALLS",
-           "TRANSCENDENTAL", "TUPLE_OPS", "VIEWS", "is_identity_call"]
+           "TRANSCENDENTAL", "TUPLE_OPS", "VIEWS", "is_elementwise_dot", "is_identity_call"]

@@ -10,7 +10,8 @@ buffer takes: the :class:`FusionPlan` generic liveness takes
   its readers read its inputs instead) when it is a cheap element-wise or data-movement op that
   XLA's instruction fusion puts into its consumers (:data:`hloopt.passes.opcodes.FUSIBLE`), a
   sharding marker, or the one-hot scatter of ``take_along_axis``'s gradient
-  (:func:`is_one_hot_scatter`), which XLA rewrites into a compare/select. It stays materialized
+  (:func:`is_one_hot_scatter`), which XLA rewrites into a compare/select, or a dot that contracts
+  nothing (:func:`is_elementwise_dot`), which it rewrites into a multiply. It stays materialized
   when it feeds loop state, a tuple or the root (XLA writes the last fused op there), unless it is
   a scalar or a constant, and when one of its readers is a select-and-scatter (the max-pool
   gradient), into which nothing fuses: XLA fuses a producer into all its readers or none.
@@ -47,7 +48,7 @@ from typing import ClassVar
 from hloopt.ir import Instruction, Module
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
-from hloopt.passes.opcodes import CONTROL_FLOW, FUSIBLE, is_identity_call
+from hloopt.passes.opcodes import CONTROL_FLOW, FUSIBLE, is_elementwise_dot, is_identity_call
 from hloopt.passes.residuals import offloaded_source
 from hloopt.passes.tpu.layout import activation_minor_dims, tpu_compact_bytes, tpu_layout_bytes
 from hloopt.passes.tpu.storage import bf16_stacks, bf16_stored, offloaded_into_stack
@@ -91,7 +92,7 @@ def fused_instructions(module: Module) -> set[Instruction]:
     for comp in module.computations.values():
         for inst in comp.instructions:
             fusible = inst.opcode in FUSIBLE or is_identity_call(inst) or is_one_hot_scatter(inst) \
-                or offloaded_into_stack(inst)
+                or is_elementwise_dot(inst) or offloaded_into_stack(inst)
             if not fusible or inst.shape.is_tuple or inst.is_root:
                 continue
             if any(u.opcode in _NOT_FUSION_CONSUMERS for u in inst.users):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hloopt.ir import Instruction, Module
-from hloopt.passes.opcodes import BARRIERS, CONTROL_FLOW, TUPLE_OPS, VIEWS
+from hloopt.passes.opcodes import BARRIERS, CONTROL_FLOW, TUPLE_OPS, VIEWS, is_elementwise_dot
 from hloopt.passes.residuals import is_host_annotation
 
 #: views an offloaded value passes through on its way into a scan's stack
@@ -82,6 +82,8 @@ def is_bf16_matmul(inst: Instruction) -> bool:
     """
     if inst.opcode not in ("dot", "convolution") or len(inst.operands) != 2:
         return False
+    if is_elementwise_dot(inst):
+        return False  # contracts nothing: XLA makes it a multiply, no MXU pass
     if any(o.shape.element_type != "f32" for o in inst.operands):
         return False
     prec = inst.attrs.get("operand_precision")

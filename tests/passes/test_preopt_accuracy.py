@@ -667,6 +667,32 @@ ENTRY e {
     assert convolution_input_copies(parse_module_text(whisper)) == {}
 
 
+def test_dot_that_contracts_nothing_is_elementwise() -> None:
+    """BERT's head mask, ``einsum("...hqk,h->...hqk")``: JAX writes a dot with batch dimensions and
+    no contracting ones, XLA rewrites it as a multiply (libtpu's compiled BERT: a fused
+    ``multiply`` of a broadcast, no dot, no buffer of its own). It fuses into its reader, and the
+    scores it reads are not bf16 matmul operands: they keep their f32 buffer."""
+    from hloopt.passes.opcodes import is_elementwise_dot
+    from hloopt.passes.tpu.storage import is_bf16_matmul
+
+    mod = parse_module_text("""HloModule head_mask
+ENTRY e {
+  s = f32[2,4,64,64] parameter(0)
+  h = f32[4] parameter(1)
+  w = f32[64,64] parameter(2)
+  e = f32[2,4,64,64] exponential(s)
+  m = f32[4,2,64,64] dot(h, e), lhs_batch_dims={0}, lhs_contracting_dims={}, rhs_batch_dims={1}, rhs_contracting_dims={}
+  o = f32[4,2,64,64] dot(m, w), lhs_contracting_dims={3}, rhs_contracting_dims={0}
+  ROOT r = (f32[4,2,64,64]) tuple(o)
+}""")
+    m, o, e = mod.entry["m"], mod.entry["o"], mod.entry["e"]
+    assert is_elementwise_dot(m) and not is_elementwise_dot(o)
+    assert not is_bf16_matmul(m) and is_bf16_matmul(o)
+    plan = AnalysisManager(mod).get(TpuFusion())
+    assert m in plan.fused and plan.value_bytes(m) == 0
+    assert e not in plan.narrowed
+
+
 def test_libtpu_lands_every_copy_from_host_in_hbm() -> None:
     """The premise of ``hbm_pinned`` (passes/memory.py): in every compiled offloaded zoo module,
     tiny and small, each ``copy-start`` or ``dynamic-slice-start`` that reads host memory writes
