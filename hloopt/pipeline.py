@@ -1406,12 +1406,15 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
     A primitive rule (primitive, output shape) selects every value of that primitive and shape in
     the checkpointed layers, which may be more than the residuals the candidate groups (a value
     the backward pass reads twice, a primitive inside a ``jit``). The step is lowered once with
-    every such rule offloading (names saved); rules whose shape's ``pinned_host`` annotations
-    (times their loop trip counts, :func:`hloopt.verify.offload_annotations`) do not add up to
-    the candidates' instances, or that share their shape with another rule, are lowered again
-    alone, and a rule that annotates a different number of values than it has instances is not
-    offloaded (it may stay on device or recompute). Rules still interact (recomputing one value
-    can make another a residual): ``hloopt verify`` checks the chosen plan as a whole.
+    every such rule offloading (names saved), and a rule's ``pinned_host`` annotations (times
+    their loop trip counts, :func:`hloopt.verify.offload_annotations`) are counted by shape. Rules
+    that share a shape are told apart by lowering again, each time with a batch of policy
+    selectors (primitive, shape) no two of which share a shape, so that an annotation's shape
+    names its selector: as many lowerings as one shape has selectors (an encoder-decoder's
+    same-width projections), not one per rule. A rule that annotates a different number of values
+    than it has instances is not offloaded (it may stay on device or recompute). Rules still
+    interact (recomputing one value can make another a residual; every probe offloads the other
+    rules of its batch): ``hloopt verify`` checks the chosen plan as a whole.
     """
     from collections import Counter
 
@@ -1436,13 +1439,33 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
     expected: Counter[str] = Counter()
     for c in rules:
         expected[c.shape] += len(c.instances)
+    # Rules sharing a shape are told apart by lowering their selectors apart (sums can hide
+    # swaps): batches of selectors with pairwise different shapes, one lowering each.
+    shared = [c for c in rules if expected[c.shape] != len(c.instances)]
+    selectors = sorted({(c.primitive, c.shape) for c in shared})
+    batches: list[list[tuple[str, str]]] = []
+    for sel in selectors:
+        for batch in batches:
+            if all(s[1] != sel[1] for s in batch):
+                batch.append(sel)
+                break
+        else:
+            batches.append([sel])
+    alone: dict[tuple[str, str], int] = {}
+    for batch in batches:
+        members = [c for c in shared if (c.primitive, c.shape) in batch]
+        # one candidate per selector stands for it: the policy rule is (primitive, shape)
+        found = annotated(list({(c.primitive, c.shape): c for c in members}.values()))
+        alone.update({sel: found[sel[1]] for sel in batch})
     bad: dict[str, int] = {}
+    shared_keys = {c.key for c in shared}
     for c in rules:
-        shared = expected[c.shape] != len(c.instances)
-        if not shared and seen[c.shape] == expected[c.shape]:
+        if c.key in shared_keys:
+            n = alone[(c.primitive, c.shape)]
+        elif seen[c.shape] == expected[c.shape]:
             continue
-        # Rules sharing a shape are told apart by lowering each alone (sums can hide swaps).
-        n = annotated([c])[c.shape] if shared else seen[c.shape]
+        else:
+            n = seen[c.shape]
         if n != len(c.instances):
             bad[c.key] = n
     if not bad:
