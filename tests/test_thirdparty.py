@@ -311,10 +311,10 @@ def test_levanter_llama_plan_applied_as_written_and_compiled(share: str, tmp_pat
     applied to the unmodified step with ``hloopt.use_plan``, the step compiled by libtpu: the
     offloads JAX emits are the planned ones (shape and count), the compiled peak is within the
     budget, and the memory model's figure for the planned step (``model_peak_bytes``) is within
-    5% of it (libtpu 0.0.42: 2.62 GiB vs 2.57 GiB at 85%, 1.46 GiB vs 1.41 GiB at 60%; the
-    simulator's replay, which every policy is compared by, says 2.95 and 1.96 GiB: 15% and 39%
-    above)."""
-    plan = check_plan_compiled("levanter_llama", "small", share, tmp_path, tolerance=0.05)
+    3% of it (libtpu 0.0.42, jax 0.10.2: model 2,784,869,376 B vs libtpu 2,757,224,960 B at 85%,
+    +1.0%; 1,636,809,728 B vs 1,684,531,712 B at 60%, -2.8%; the simulator's replay, which every
+    policy is compared by, says 3,163,274,240 and 2,047,589,376 B: 15% and 22% above)."""
+    plan = check_plan_compiled("levanter_llama", "small", share, tmp_path, tolerance=0.03)
     assert plan.of("offload")
 
 
