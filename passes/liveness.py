@@ -194,7 +194,8 @@ class Liveness(Analysis[LiveRanges]):
 
         plan: Materialization | None = am.get(self.fusion) if self.fusion is not None else None
         fused = plan.fused if plan is not None else frozenset()
-        fused = fused | storage_views(steps)
+        views = storage_views(steps)
+        fused = fused | views
         # Last step reading each instruction; a fused-away reader reads on behalf of its readers.
         last_read: dict[Instruction, int] = {}
         for inst in reversed(steps):
@@ -202,8 +203,8 @@ class Liveness(Analysis[LiveRanges]):
             lr = t
             for u in inst.users:
                 tu = time.get(u)
-                if tu is None or u.opcode in FORWARDS:
-                    continue
+                if tu is None or (u.opcode in FORWARDS and u not in views):
+                    continue  # a forwarding reader's reads count on its buffer, the same one
                 if u in fused:
                     tu = max(tu, last_read.get(u, tu))
                 if tu > lr:
@@ -250,8 +251,15 @@ _VIEW_TARGETS = frozenset({"ConcatBitcast"})
 
 
 def storage_views(steps: list[Instruction]) -> frozenset[Instruction]:
-    """Instructions that hold no storage of their own: their readers read their operands."""
-    return frozenset(i for i in steps if i.opcode == "custom-call" and i.custom_call_target in _VIEW_TARGETS)
+    """Instructions that hold no storage of their own: their readers read their operands. A
+    bitcast of such a view is one too (libtpu's compiled BERT reads a ``ConcatBitcast`` of four
+    prefetched weight slices through bitcasts: the slices' VMEM, not a fifth buffer)."""
+    out: set[Instruction] = set()
+    for i in steps:
+        if (i.opcode == "custom-call" and i.custom_call_target in _VIEW_TARGETS) \
+                or (i.opcode == "bitcast" and i.operands and i.operands[0] in out):
+            out.add(i)
+    return frozenset(out)
 
 
 __all__ = ["LiveRange", "LiveRanges", "Liveness", "Materialization", "storage_views"]

@@ -133,6 +133,26 @@ ENTRY e {
     assert lr.bytes_per_step() == [1024, 2048, 3072, 3072, 5120]
 
 
+def test_concat_bitcast_read_through_bitcasts_is_still_its_operands() -> None:
+    # libtpu's compiled BERT reads a ConcatBitcast of four prefetched weight slices through
+    # bitcasts (f32[1024,256] -> f32[1024,256,1]): the bitcasts are views too, the slices live to
+    # the bitcasts' readers, and no buffer of the concatenation's size is counted beside them
+    m, lr = live("""
+HloModule m
+ENTRY e {
+  p = f32[256]{0} parameter(0)
+  a = f32[256]{0} negate(p)
+  b = f32[256]{0} exponential(p)
+  c = f32[512]{0} custom-call(a, b), custom_call_target="ConcatBitcast"
+  v = f32[512,1]{0,1} bitcast(c)
+  w = f32[512,1]{0,1} bitcast(v)
+  ROOT r = f32[512,1]{0,1} negate(w)
+}""")
+    got = {r.buffer.instruction.name: (r.start, r.end) for r in lr.ranges()}
+    assert got == {"p": (0, 6), "a": (1, 6), "b": (2, 6), "r": (6, 6)}
+    assert max(lr.bytes_per_step()) == 1024 + 1024 + 1024 + 2048
+
+
 def test_list_schedule_runs_an_offload_as_soon_as_it_can() -> None:
     """A value placed in host memory (``S(5)``) defines no device bytes: the list scheduler runs
     the offload right after its producer (as XLA starts the copy to host), where an annotation
