@@ -229,11 +229,17 @@ def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[s
 
     notes: list[str] = []
     steps = prof.ranges.steps
-    narrow = sum(1 for i in steps if i.opcode == "convolution" and 1 <= (_conv_batch(i) or 0) < 8)
+    batches = [b for b in (_conv_batch(i) for i in steps if i.opcode == "convolution") if b]
+    narrow = sum(1 for b in batches if b < 8)
     if narrow:
         notes.append(f"{narrow} convolution(s) over a batch smaller than 8: libtpu may rewrite them (0b1f); "
                      "the prediction models the values it copies between layouts (measured on such "
                      "convnets: -32% to +7%, bench/convnet_shapes.py)")
+    if len(batches) > narrow:
+        notes.append(f"{len(batches) - narrow} convolution(s) over a batch of 8 or more: libtpu lays their "
+                     "activations out as the compiled ResNets measured show, not always as modeled "
+                     "(transformers' ResNet-18: -1.7% of libtpu at batch 8, -7.0% at 64 x 128 x 128; "
+                     "bench/thirdparty.py)")
     eager = sum(1 for i in steps if offloaded_source(i) is not None)
     if eager:
         notes.append(f"{eager} value(s) offloaded outside a loop: libtpu copies them back right after "
