@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.tpu,
         "(12 alone) and a broadcast_in_dim rule 24 of 60; verify reports the count mismatch"))),
     ("mlp", {"max_slowdown": 0.05}),
     pytest.param("convnet", {"max_slowdown": 0.05}, marks=pytest.mark.xfail(strict=True, reason=(
-        "the memory model is -15% of libtpu on the convnet step with every residual saved: libtpu "
-        "materializes a max pool's input for select-and-scatter, which the model fuses"))),
+        "rules interact: with the whole plan the broadcast_in_dim f32[1,1,1,64] rule annotates 8 values "
+        "(10 alone); verify reports the mismatch. The plan's replay is -6.7% of libtpu (382,487,040 B "
+        "vs 409,754,112 B; +0.36% while the model fused the max pool's input, -15% on the all-saved "
+        "step, which is now -2.5%)"))),
 ])
 def test_small_plan_fits_and_predicts_libtpus_peak(model, mode):
     from hloopt import pipeline
@@ -44,16 +46,13 @@ def test_small_plan_fits_and_predicts_libtpus_peak(model, mode):
         assert real <= plan.budget.bytes
     predicted = plan.predicted.peak_bytes
     # measured: llama -0.86%, gpt2 +1.21%, mlp +0.28% (its peak is libtpu's VMEM heap, which no
-    # offload lowers: the plan keeps everything), convnet +0.36% (its rematerialized relu masks
-    # are fused into their readers, never stored: Candidate.remat_fused)
+    # offload lowers: the plan keeps everything), convnet -6.7% (xfail above)
     assert abs(predicted - real) / real <= 0.03, (predicted, real)
     # verify's second opinion, the memory model on the re-lowered step (no compiler): measured
     # llama -0.04% (+10% before libtpu's bf16 scan stacks were modeled), gpt2 +2.04%, mlp +0.28%;
-    # convnet +27.2%: JAX's var() recomputes the normalization's x - mean through another
-    # reshape chain, which XLA merges after simplification and the model keeps apart
+    # convnet's is not held to it: JAX's var() recomputes the normalization's x - mean through
+    # another reshape chain, which XLA merges after simplification and the model keeps apart
     modeled = result.modeled_peak_bytes
     assert modeled is not None
     if model != "convnet":
         assert abs(modeled - real) / real <= 0.03, (modeled, real)
-    else:
-        assert modeled > real
