@@ -1276,8 +1276,13 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
             break
         assert budget_bytes is not None
         if eager and any(decisions.action(c.key) == Action.OFFLOAD for c in eager):
-            problem = dataclasses.replace(problem, candidates=tuple(
-                dataclasses.replace(c, allowed=c.allowed - {Action.OFFLOAD}) if c in eager else c
+            dropped = {c.key for c in eager}
+            notes = dict(problem.notes)
+            notes.update({f"kept:{k}": "outside a loop, where libtpu copies an offload straight back: "
+                                       "such offloads did not fit once the step was lowered with them"
+                           for k in dropped})
+            problem = dataclasses.replace(problem, notes=notes, candidates=tuple(
+                dataclasses.replace(c, allowed=c.allowed - {Action.OFFLOAD}) if c.key in dropped else c
                 for c in problem.candidates))
             eager = []
         else:

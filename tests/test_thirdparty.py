@@ -388,3 +388,24 @@ def test_hf_steps_without_checkpoint_cannot_be_planned(step: str) -> None:
     target = resolve(f"fixtures/thirdparty/{step}.py:make", size="mid")
     with pytest.raises(InfeasibleBudget, match="no policy can move"):
         pipeline.plan(target, profile=load_profile("tpu-v5e"), budget="90%")
+
+
+def test_a_dropped_offload_says_why() -> None:
+    """The README's BERT plan (size small, 85%): the offloads libtpu would copy straight back
+    (values offloaded outside a loop) are dropped when the step lowered with them does not fit,
+    and those candidates say so; a value JAX's checkpoint could move is never explained as
+    outside any checkpoint."""
+    from hloopt import pipeline
+    from hloopt.devices import load_profile
+    from hloopt.problem import Action
+    from hloopt.targets import resolve
+
+    load("hf_bert")
+    out = pipeline.plan(resolve("fixtures/thirdparty/hf_bert.py:make", size="small"),
+                        profile=load_profile("tpu-v5e"), budget="85%")
+    by_key = {c.key: c for c in out.problem.candidates}
+    dropped = [d for d in out.plan.decisions if "libtpu copies an offload straight back" in d.reason]
+    assert dropped and all(d.action != "offload" for d in dropped)
+    for d in out.plan.decisions:
+        if Action.REMAT in by_key[d.key].allowed:
+            assert not d.reason.startswith("outside jax.checkpoint"), (d.key, d.reason)
