@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 
 class Action(str, enum.Enum):
@@ -148,6 +148,15 @@ class Problem:
             if c.key == key:
                 return c
         raise KeyError(key)
+
+    def compute_seconds(self, recomputed: Iterable[str], *, host_update: bool) -> tuple[float, float]:
+        """Modeled compute of one step on the device (every step's roofline and the candidates
+        ``recomputed``: residual keys the plan recomputes) and on the host's CPU (the optimizer
+        update, when the plan computes it there: the host's part of its candidate's time)."""
+        keys = set(recomputed)
+        device_s = sum(s.duration_s for s in self.steps) + sum(c.remat_s for c in self.candidates if c.key in keys)
+        host_s = sum(c.host_compute_s for c in self.candidates if c.state is not None) if host_update else 0.0
+        return device_s, host_s
 
 
 @dataclass(frozen=True)

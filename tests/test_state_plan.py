@@ -181,6 +181,12 @@ def test_cli_prints_where_each_group_goes() -> None:
                                    "--budget", str(budget), "-q"])
     assert res.exit_code == 0, res.output
     assert "opt_state[0].mu" in res.output and "hloopt.apply_plan(" in res.output
+    # the compute on each side: the update's host seconds where the plan computes it there
+    from hloopt.units import format_seconds
+
+    line = next(x for x in res.output.splitlines() if x.strip().startswith("compute per step:"))
+    shown = problem.candidate(OPTIMIZER_KEY).host_compute_s if "host-compute" in res.output else 0.0
+    assert f"host {format_seconds(shown)}" in line
     bad = CliRunner().invoke(cli, ["plan", TARGET, "--state", "--host-budget", "lots", "-q"])
     assert bad.exit_code == 2 and len(bad.output.strip().splitlines()) == 1
 

@@ -91,7 +91,7 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
             return 0
         _print_outcome(outcome, console)
         if outcome.plan.state:
-            _print_state(outcome.plan, console)
+            _print_state(outcome.plan, console, outcome.problem)
         if emit_format == "python":
             from hloopt.emit import python_snippet
 
@@ -108,14 +108,19 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
         return 0
 
 
-def _print_state(plan: object, console: object) -> None:
-    """Where the plan puts each argument group, and how to apply it to the step as written."""
-    from hloopt.units import format_bytes
+def _print_state(plan: object, console: object, problem: object) -> None:
+    """Where the plan puts each argument group, the compute on each side, and how to apply it to
+    the step as written."""
+    from hloopt.units import format_bytes, format_seconds
 
     console.print("\n[bold]Arguments[/bold] (--state):")  # type: ignore[attr-defined]
     if plan.host_peak_bytes is not None and plan.host_budget_bytes is not None:  # type: ignore[attr-defined]
         click.echo(f"  host memory: {format_bytes(plan.host_peak_bytes)} at most, "  # type: ignore[attr-defined]
                    f"of {format_bytes(plan.host_budget_bytes)} allowed")  # type: ignore[attr-defined]
+    device_s, host_s = problem.compute_seconds(  # type: ignore[attr-defined]
+        (d.key for d in plan.of("remat")), host_update=plan.host_update)  # type: ignore[attr-defined]
+    click.echo(f"  compute per step: device {format_seconds(device_s)}, host {format_seconds(host_s)}"
+               + (" (the optimizer update)" if host_s else ""))
     for s in plan.state:  # type: ignore[attr-defined]
         click.echo(f"  {s.placement:<12} {s.group:<28} {format_bytes(s.bytes):>10}  {s.reason}")
     if plan.host_groups and not plan.host_update:  # type: ignore[attr-defined]

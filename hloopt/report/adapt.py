@@ -393,13 +393,8 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
     if entry_of_step is not None and 0 <= peak < len(entry_of_step) and rep[entry_of_step[peak]] >= 0:
         live = _live_buffers(lr, cats, rep[entry_of_step[peak]], limit=top, actions=actions)
     budget = plan.budget.bytes if plan.budget else None
-    # compute: the steps' roofline and the residuals the plan recomputes, on the device; the
-    # optimizer update where the plan computes it on the host (the host's part of its candidate's
-    # time; argument groups have no Decision, their placement is plan.state)
-    recomputed = {d.key for d in plan.decisions if d.action == "remat"}
-    device_s = sum(s.duration_s for s in problem.steps) + sum(c.remat_s for c in problem.candidates
-                                                              if c.key in recomputed)
-    host_s = sum(c.host_compute_s for c in problem.candidates if c.state is not None) if plan.host_update else 0.0
+    # argument groups have no Decision: their placement (the update on the host) is plan.state
+    device_s, host_s = problem.compute_seconds((d.key for d in plan.of("remat")), host_update=plan.host_update)
     return ReportData(
         module_name=plan.module,
         device=dict(plan.device),
