@@ -285,7 +285,7 @@ _PACKAGE_ROOTS = ("/site-packages/", "/dist-packages/", "<site-packages>/")
 
 def package_path(file: str) -> str:
     """``file`` by its package path when it lies in an installed package
-    (``/root/.venv/lib/python3.11/site-packages/transformers/x.py`` -> ``transformers/x.py``),
+    (``<venv>/lib/python3.11/site-packages/transformers/x.py`` -> ``transformers/x.py``),
     unchanged otherwise. HLO a user brings (an XLA dump from any machine) names library files by
     the absolute path of the environment it was written in; reports name them the same way
     whichever environment that was, as lowering here does (:func:`hloopt.lowering.relative_paths`)."""

@@ -595,11 +595,9 @@ def relative_source(text: str) -> str:
     not depend on the checkout, and call sites (jaxpr frames) compare with HLO locations."""
     import os
 
-    from hloopt.lowering import package_folders
+    from hloopt.ir import package_path
 
-    for folder in package_folders():
-        if text.startswith(folder):
-            return text[len(folder):]
+    text = package_path(text)
     cwd = os.getcwd().rstrip(os.sep) + os.sep
     return text[len(cwd):] if text.startswith(cwd) else text
 
@@ -1446,26 +1444,22 @@ def probe_rules(tgt: Any, problem: Problem, names: Any, *, platform: str) -> Pro
         expected[c.shape] += len(c.instances)
     # Rules sharing a shape are told apart by lowering their selectors apart (sums can hide
     # swaps): batches of selectors with pairwise different shapes, one lowering each.
-    shared = [c for c in rules if expected[c.shape] != len(c.instances)]
-    selectors = sorted({(c.primitive, c.shape) for c in shared})
+    # one candidate stands for each selector: the policy rule is (primitive, shape)
+    shared = {(c.primitive, c.shape): c for c in rules if expected[c.shape] != len(c.instances)}
     batches: list[list[tuple[str, str]]] = []
-    for sel in selectors:
-        for batch in batches:
-            if all(s[1] != sel[1] for s in batch):
-                batch.append(sel)
-                break
-        else:
+    for sel in sorted(shared):
+        batch = next((b for b in batches if all(s[1] != sel[1] for s in b)), None)
+        if batch is None:
             batches.append([sel])
+        else:
+            batch.append(sel)
     alone: dict[tuple[str, str], int] = {}
     for batch in batches:
-        members = [c for c in shared if (c.primitive, c.shape) in batch]
-        # one candidate per selector stands for it: the policy rule is (primitive, shape)
-        found = annotated(list({(c.primitive, c.shape): c for c in members}.values()))
+        found = annotated([shared[sel] for sel in batch])
         alone.update({sel: found[sel[1]] for sel in batch})
     bad: dict[str, int] = {}
-    shared_keys = {c.key for c in shared}
     for c in rules:
-        if c.key in shared_keys:
+        if (c.primitive, c.shape) in shared:
             n = alone[(c.primitive, c.shape)]
         elif seen[c.shape] == expected[c.shape]:
             continue
