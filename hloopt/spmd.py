@@ -329,11 +329,31 @@ def is_partitioned(module: Module) -> bool:
     return seen_partitioned
 
 
+def _any_split(module: Module) -> bool:
+    """Whether some ``sharding=`` attribute of ``module`` tiles a value over devices. Without one
+    every value is whole on every device and propagation has nothing to spread (a single-device
+    step: most of what users bring)."""
+    for inst in module.instructions():
+        text = inst.sharding
+        if text and "devices=" in text and _tiles(parse_sharding(text, inst.shape)):
+            return True
+    return False
+
+
+def _tiles(s: Split) -> bool:
+    """Whether ``s`` (a leaf's tile counts, or a tuple's per element) splits some value."""
+    if s is None:
+        return False
+    if s and isinstance(s[0], tuple | type(None)):
+        return any(_tiles(e) for e in s)  # type: ignore[arg-type]
+    return math.prod(s) > 1  # type: ignore[arg-type]
+
+
 def propagate_shardings(module: Module) -> dict[Instruction, Split]:
     """Tile counts of every instruction's value (module docstring); absent/None: replicated.
     Nothing for a module that is already partitioned (:func:`is_partitioned`)."""
     split: dict[Instruction, Split] = {}
-    if is_partitioned(module):
+    if is_partitioned(module) or not _any_split(module):
         return split
     #: the parameter splits each computation was last visited with (a loop body is visited again
     #: when its state's sharding grows)
