@@ -6,7 +6,8 @@ with the settings that reproduce how the module's compiler counts:
 
 * a scheduled module with TPU tiled layouts (libtpu output): libtpu's ``peak_memory_in_bytes``
   accounting (512-byte aligned buffers, outputs and constants for the whole program, temporaries
-  inside output allocations when XLA puts them there, the larger of the HBM and VMEM heaps, no
+  inside output allocations when XLA puts them there (libtpu up to 0.0.45: the rules follow the
+  release the user compiles with, :func:`target_libtpu`), the larger of the HBM and VMEM heaps, no
   generated code; see :mod:`hloopt.passes.memory`);
 * any other scheduled module (XLA CPU/GPU output): the module's schedule, exact sizes;
 * a pre-optimization module: ``platform="tpu"`` inlines calls (XLA's CallInliner, as the
@@ -21,6 +22,9 @@ HLO files and dumps never import jax.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -77,17 +81,87 @@ class MemoryReport:
         return out
 
 
+#: the environment variable naming the libtpu release a TPU accounting describes
+LIBTPU_ENV = "HLOOPT_LIBTPU"
+
+
+def target_libtpu(explicit: str | None = None) -> str:
+    """The libtpu release whose rules a TPU accounting applies (:mod:`hloopt.passes.tpu.versions`):
+    ``explicit``, else the one :func:`libtpu_rules` holds, else ``$HLOOPT_LIBTPU``, else the
+    installed libtpu (what a compile here uses), else the one the installed jax pins for
+    ``jax[tpu]``, else 0.0.42 (jax 0.10.2's pin)."""
+    import os
+
+    from hloopt.passes.tpu.versions import parse_version
+
+    for value, where in ((explicit, "--libtpu"), (_LIBTPU_RULES.get(), "--libtpu"),
+                         (os.environ.get(LIBTPU_ENV), f"${LIBTPU_ENV}")):
+        if value:
+            if parse_version(value) is None:
+                raise UserError(f"{where}={value!r}: not a libtpu version (e.g. 0.0.42, 0.0.52)")
+            return value.strip()
+    return _installed_libtpu()
+
+
+_INSTALLED: list[str] = []
+_LIBTPU_RULES: contextvars.ContextVar[str | None] = contextvars.ContextVar("hloopt_libtpu", default=None)
+
+
+@contextlib.contextmanager
+def libtpu_rules(version: str | None) -> Iterator[None]:
+    """Within the block, TPU accountings that are not told a release follow ``version``'s rules
+    (None: as outside it). What ``--libtpu`` does for a command."""
+    if version is not None:
+        from hloopt.passes.tpu.versions import parse_version
+
+        if parse_version(version) is None:
+            raise UserError(f"--libtpu={version!r}: not a libtpu version (e.g. 0.0.42, 0.0.52)")
+    token = _LIBTPU_RULES.set(version.strip() if version else _LIBTPU_RULES.get())
+    try:
+        yield
+    finally:
+        _LIBTPU_RULES.reset(token)
+
+
+def _installed_libtpu() -> str:
+    if not _INSTALLED:
+        import re
+        from importlib import metadata
+
+        from hloopt.passes.tpu.versions import parse_version
+
+        found = None
+        try:
+            found = metadata.version("libtpu")
+        except metadata.PackageNotFoundError:
+            try:
+                for req in metadata.requires("jax") or []:
+                    m = re.match(r"\s*libtpu\s*==\s*([0-9.]+)", req)
+                    if m:
+                        found = m.group(1)
+                        break
+            except metadata.PackageNotFoundError:
+                pass
+        _INSTALLED.append(found if found and parse_version(found) is not None else "0.0.42")
+    return _INSTALLED[0]
+
+
 def settings_for(module: Module, *, platform: str | None = None, schedule: str | None = None,
-                 code_bytes: int = 0) -> dict[str, Any]:
-    """The PeakMemory settings that match how the module's compiler counts (module docstring)."""
+                 code_bytes: int = 0, libtpu: str | None = None) -> dict[str, Any]:
+    """The PeakMemory settings that match how the module's compiler counts (module docstring).
+    TPU accountings follow the rules of libtpu release ``libtpu`` (:func:`target_libtpu`)."""
+    from hloopt.passes.tpu.versions import reuses_output_allocations
+
     tpu_layout = module.is_scheduled and _has_tiles(module)
     plain = {"reuse_output_allocations": False, "on_chip_heap": False, "prefetch_at_offload": False}
+    version = target_libtpu(libtpu) if tpu_layout or (not module.is_scheduled and platform == "tpu") else ""
+    reuse = bool(version) and reuses_output_allocations(version)
     if tpu_layout:
         # libtpu's peak_memory_in_bytes leaves the generated code out (see PeakMemory)
-        return {"kind": "tpu-compiled", "schedule": schedule or "module", "materialize": "all",
-                "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": True,
-                "code_bytes": 0, "reuse_output_allocations": True, "on_chip_heap": True,
-                "prefetch_at_offload": False}
+        return {"kind": "tpu-compiled", "libtpu": version, "schedule": schedule or "module",
+                "materialize": "all", "alignment_bytes": 512, "outputs_whole_program": True,
+                "static_allocations": True, "code_bytes": 0, "reuse_output_allocations": reuse,
+                "on_chip_heap": True, "prefetch_at_offload": False}
     if module.is_scheduled:
         return {"kind": "compiled", "schedule": schedule or "module", "materialize": "all",
                 "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
@@ -95,9 +169,10 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
     if platform == "tpu":
         # libtpu's accounting as on a compiled module, on the fusion model's buffers, in a
         # memory-aware order (XLA schedules a pre-optimization module; its text order is JAX's)
-        return {"kind": "tpu-predicted", "schedule": schedule or "list", "materialize": "tpu-fusion",
-                "alignment_bytes": 512, "outputs_whole_program": True, "static_allocations": False,
-                "code_bytes": code_bytes, "reuse_output_allocations": True, "on_chip_heap": True,  # predicted MSA
+        return {"kind": "tpu-predicted", "libtpu": version, "schedule": schedule or "list",
+                "materialize": "tpu-fusion", "alignment_bytes": 512, "outputs_whole_program": True,
+                "static_allocations": False, "code_bytes": code_bytes,
+                "reuse_output_allocations": reuse, "on_chip_heap": True,  # predicted MSA
                 "prefetch_at_offload": True,  # libtpu's schedule of offloads (passes/memory.py)
                 "narrow_stacks": True}  # bf16 scan stacks (passes/tpu/storage.py)
     return {"kind": "unoptimized", "schedule": schedule or "module", "materialize": "all",
@@ -108,11 +183,12 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
 def profile_module(module: Module, *, platform: str | None = None, schedule: str | None = None,
                    code_bytes: int = 0, top: int = 10, on_chip_bytes: int | None = None,
                    off_device: frozenset[str] = frozenset(), prefetch_at_offload: bool | None = None,
-                   am: AnalysisManager | None = None) -> tuple[MemoryProfile, dict[str, Any]]:
+                   am: AnalysisManager | None = None,
+                   libtpu: str | None = None) -> tuple[MemoryProfile, dict[str, Any]]:
     """Run PeakMemory on ``module`` with :func:`settings_for`'s settings (``prefetch_at_offload``
     overrides theirs). For a TPU prediction the profile counts the module
     :func:`prepare_for_profile` makes (``profile.ranges.module``)."""
-    s = settings_for(module, platform=platform, schedule=schedule, code_bytes=code_bytes)
+    s = settings_for(module, platform=platform, schedule=schedule, code_bytes=code_bytes, libtpu=libtpu)
     if prefetch_at_offload is not None:
         s["prefetch_at_offload"] = prefetch_at_offload
     module, am = prepare_for_profile(module, s, am=am)
@@ -181,18 +257,19 @@ def peak_memory_pass(settings: Mapping[str, Any], *, top: int = 10, on_chip_byte
 
 def analyze(target: str | Path | Module, *, platform: str | None = None, compile: str | None = None,
             top: int = 10, schedule: str | None = None, size: str | None = None,
-            xla: Mapping[str, int] | None = None) -> MemoryReport:
+            xla: Mapping[str, int] | None = None, libtpu: str | None = None) -> MemoryReport:
     """Analyze a TARGET (path or string), or a parsed :class:`Module` (see the module docstring).
 
     ``platform`` is what pre-optimization HLO is lowered for / predicted for ("tpu", "cuda",
     "cpu"); ``compile`` compiles a JAX TARGET with XLA ("cpu", "tpu-v5e"...) and analyzes the
-    compiled module, with XLA's own figures in ``report.xla``.
+    compiled module, with XLA's own figures in ``report.xla``. ``libtpu``: the release whose rules
+    a TPU accounting follows (:func:`target_libtpu`: by default the installed one).
     """
     from hloopt.hlo.parser import parse_module
 
     if isinstance(target, Module):
         prof, s = profile_module(target, platform=platform, schedule=schedule, top=top,
-                                 code_bytes=_code(xla))
+                                 code_bytes=_code(xla), libtpu=libtpu)
         return MemoryReport(target.name, "hlo", prof, xla, s, prediction_notes(prof, s))
     from hloopt.targets import resolve
 
@@ -203,7 +280,8 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
         assert t.text is not None
         module = parse_module(t.text, filename=str(t.path))
         xla = xla if xla is not None else _snapshot_figures(t.path)
-        prof, s = profile_module(module, platform=platform, schedule=schedule, top=top, code_bytes=_code(xla))
+        prof, s = profile_module(module, platform=platform, schedule=schedule, top=top, code_bytes=_code(xla),
+                                 libtpu=libtpu)
         return MemoryReport(module.name, "hlo", prof, xla, s, prediction_notes(prof, s))
 
     from hloopt.lowering import lower
@@ -212,12 +290,14 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
     lowered = lower(t, platform=plat, compile=compile)
     if compile is None:
         module = parse_module(lowered.hlo_text, filename=str(target))
-        prof, s = profile_module(module, platform=plat, schedule=schedule, top=top)
+        prof, s = profile_module(module, platform=plat, schedule=schedule, top=top, libtpu=libtpu)
         return MemoryReport(module.name, f"lowered:{plat}", prof, None, s, prediction_notes(prof, s))
     assert lowered.compiled_text is not None
     module = parse_module(lowered.compiled_text, filename=str(target))
     figures = dict(lowered.memory or {})
-    prof, s = profile_module(module, platform=plat, schedule=schedule, top=top, code_bytes=_code(figures))
+    # a module compiled here, by the installed libtpu, whatever ``libtpu`` says of predictions
+    prof, s = profile_module(module, platform=plat, schedule=schedule, top=top, code_bytes=_code(figures),
+                             libtpu=_installed_libtpu())
     return MemoryReport(module.name, f"compiled:{compile}", prof, figures, s)
 
 

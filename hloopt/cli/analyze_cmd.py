@@ -6,12 +6,13 @@ import json
 
 import click
 
-from hloopt.cli.params import user_errors
+from hloopt.cli.params import libtpu_option, user_errors
 from hloopt.units import format_bytes
 
 
 @click.command("analyze")
 @click.argument("target")
+@libtpu_option
 @click.option("--platform", type=click.Choice(["tpu", "cuda", "cpu"]), default=None,
               help="Platform a JAX TARGET is lowered for / pre-optimization HLO is predicted for.")
 @click.option("--compile", "compile_", metavar="TARGET", default=None,

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
-from hloopt.cli.params import check_output, user_errors
+from hloopt.cli.params import check_output, libtpu_option, user_errors
 
 FORMATS = ("graphml", "json")
 
 
 @click.command("graph")
 @click.argument("target")
+@libtpu_option
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="graphml", show_default=True,
               help="graphml: GraphML (networkx's writer); json: networkx node-link JSON.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,

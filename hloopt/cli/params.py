@@ -117,6 +117,33 @@ def check_output(path: str | None, *, force: bool) -> None:
         raise UserError(f"{path} exists: pass --force to overwrite")
 
 
+def _check_libtpu(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    from hloopt.passes.tpu.versions import parse_version
+
+    if value is not None and parse_version(value) is None:
+        raise click.BadParameter(f"{value!r} is not a libtpu version (e.g. 0.0.42, 0.0.52)")
+    return value
+
+
+def libtpu_option(f: F) -> F:
+    """Add ``--libtpu VERSION``: the libtpu release whose rules the TPU memory model follows for
+    the whole command (:func:`hloopt.analysis.target_libtpu`; default: the installed one)."""
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, libtpu: str | None = None, **kwargs: Any) -> Any:
+        from hloopt.analysis import libtpu_rules
+
+        with libtpu_rules(libtpu):
+            return f(*args, **kwargs)
+
+    return click.option(  # type: ignore[return-value]
+        "--libtpu", "libtpu", metavar="VERSION", default=None, callback=_check_libtpu,
+        help="libtpu release the TPU memory model follows (releases differ: from 0.0.46 no "
+             "temporary shares an output's buffer); default: the installed libtpu, else the one "
+             "jax pins; also $HLOOPT_LIBTPU.")(wrapper)
+
+
 def device_options(f: F) -> F:
     """Add ``--device``, ``--device-file``, ``--hbm``, ``--d2h`` and ``--h2d`` to a command."""
     options = [

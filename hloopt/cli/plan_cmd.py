@@ -7,11 +7,12 @@ import sys
 
 import click
 
-from hloopt.cli.params import Percent, check_output, device_options, profile_from_options, user_errors
+from hloopt.cli.params import Percent, check_output, device_options, libtpu_option, profile_from_options, user_errors
 
 
 @click.command()
 @click.argument("target")
+@libtpu_option
 @device_options
 @click.option("--budget", default=None,
               help="Device memory to fit: a size (12GiB) or a share of the all-on-device peak (75%).")

@@ -6,12 +6,13 @@ import json
 
 import click
 
-from hloopt.cli.params import user_errors
+from hloopt.cli.params import libtpu_option, user_errors
 from hloopt.units import format_bytes
 
 
 @click.command("residuals")
 @click.argument("target")
+@libtpu_option
 @click.option("--size", default=None, help="Size passed to a JAX TARGET's factory (tiny, small, large).")
 @click.option("--platform", type=click.Choice(["tpu", "cuda", "cpu"]), default="tpu", show_default=True,
               help="Platform a JAX TARGET is lowered for (pre-optimization HLO).")

@@ -7,12 +7,13 @@ from typing import Any
 
 import click
 
-from hloopt.cli.params import user_errors
+from hloopt.cli.params import libtpu_option, user_errors
 from hloopt.units import format_bytes
 
 
 @click.command("state")
 @click.argument("target")
+@libtpu_option
 @click.option("--size", default=None, help="Size passed to a JAX TARGET's factory (tiny, small, large).")
 @click.option("--device", default=None,
               help="Device profile (name or file) for the transfer time of each group on the host.")

@@ -10,11 +10,12 @@ import json
 
 import click
 
-from hloopt.cli.params import user_errors
+from hloopt.cli.params import libtpu_option, user_errors
 
 
 @click.command("verify")
 @click.argument("target")
+@libtpu_option
 @click.option("--plan", "plan_file", required=True, type=click.Path(dir_okay=False),
               help="The plan file (from `hloopt plan`).")
 @click.option("--compile", "compile_for", default=None, metavar="TPU",

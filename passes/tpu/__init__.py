@@ -12,7 +12,10 @@ each in the module for the compiler stage it describes:
 * :mod:`~hloopt.passes.tpu.storage`: storage types (f32 values kept as bf16) and the host
   offloader's stacks;
 * :mod:`~hloopt.passes.tpu.msa`: memory-space assignment (what VMEM holds; libtpu reports the
-  larger of its HBM and VMEM heaps).
+  larger of its HBM and VMEM heaps);
+* :mod:`~hloopt.passes.tpu.versions`: the rules that differ between libtpu releases (from 0.0.46
+  no temporary shares a module output's allocation), which the accounting applies for the release
+  the user compiles with.
 
 Sharding propagation, which every backend's SPMD partitioner shares, lives with the SPMD code
 (:mod:`hloopt.spmd`).
