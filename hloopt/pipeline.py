@@ -209,9 +209,15 @@ def _analyze_tpu_prediction(module: Module, profile: DeviceProfile, *, source: s
     if mem.on_chip_timeline_bytes is not None:
         # libtpu reports the larger of its HBM and VMEM heaps, and an offload lowers only the
         # first: the VMEM side with every residual off the device is counted whatever the plan
+        # a residual is named by the instruction the backward pass reads (for a scanned layer's,
+        # the forward loop's output element); the buffer holding it is named by the values that
+        # define it (the stack's initial value and the loop body's update): those are taken off
+        off_residuals = frozenset(i.name for r in residuals for b in _buffers_of(ranges, r.inst)
+                                  for i, _ in b.values)
+
         def floor_without(names: frozenset[str]) -> list[int]:
             off = am.get(peak_memory_pass(settings, on_chip_bytes=on_chip,
-                                          off_device=frozenset(r.inst.name for r in residuals) | names))
+                                          off_device=off_residuals | names))
             # (capped by the timeline: without the residuals XLA's buffer assigner may leave other
             # temporaries outside the output allocations, whose VMEM side can then be higher)
             return [min(f, t) for f, t in zip(ranges.entry_timeline(off.on_chip_timeline_bytes or []), timeline)]
@@ -224,6 +230,14 @@ def _analyze_tpu_prediction(module: Module, profile: DeviceProfile, *, source: s
 # --------------------------------------------------------------------------------------------
 # The Problem
 # --------------------------------------------------------------------------------------------
+
+
+def _buffers_of(ranges: Any, inst: Instruction) -> list[Any]:
+    """The buffer holding ``inst``'s array value ([] for a tuple or a value with none)."""
+    try:
+        return [ranges.aliasing.buffer_at(inst, ())]
+    except (KeyError, IndexError):
+        return []
 
 
 @dataclass
@@ -817,6 +831,10 @@ class PlanOutcome:
     imports: frozenset[str] = frozenset()
     #: set when the memory model puts the planned step over the budget (_settle_on_the_model)
     settle_note: str | None = None
+    #: the budget the replay searched under, where it differs from the user's: the replay put
+    #: the budget below its least peak and the memory model did not (_model_shifted_budget); the
+    #: policies in the table are judged against it, as the plan was
+    aim_bytes: int | None = None
     #: the search's settings, for searching again under other constraints (config_only_plan)
     max_slowdown: float | None = None
     solver: str = "auto"
@@ -935,7 +953,11 @@ def _reason(c: Candidate, action: Action, problem: Problem) -> str:
 def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceProfile, *,
               budget_spec: str | None, budget_bytes: int | None, mode: str, decisions: Decisions,
               result: SimResult, baseline: SimResult, solver: Mapping[str, Any],
-              pareto: Sequence[Any] | None = None, host_budget_bytes: int | None = None) -> Any:
+              pareto: Sequence[Any] | None = None, host_budget_bytes: int | None = None,
+              model_least_peak_bytes: int | None = None) -> Any:
+    """The Plan record of ``decisions``. ``model_least_peak_bytes``: the memory model's peak of the
+    step with nothing saved, where it was computed; the least peak the plan reports is the lower
+    of it and the replay's."""
     from hloopt.plan import Bounds, Budget, Decision, ParetoPoint, Plan, Predicted, Selector, SolverInfo, StateDecision
     from hloopt.simulator import lower_bound_peak, lower_bound_time
 
@@ -969,7 +991,9 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
                             exposed_transfer_s=result.exposed_transfer_s,
                             baseline_peak_bytes=baseline.peak_bytes,
                             baseline_step_time_s=baseline.step_time_s),
-        bounds=Bounds(least_peak_bytes=lower_bound_peak(problem), least_step_time_s=lower_bound_time(problem)),
+        bounds=Bounds(least_peak_bytes=min(lower_bound_peak(problem), model_least_peak_bytes)
+                      if model_least_peak_bytes is not None else lower_bound_peak(problem),
+                      least_step_time_s=lower_bound_time(problem)),
         solver=SolverInfo(name=str(solver.get("name", "")), status=str(solver.get("status", "")),
                           gap=solver.get("gap"), time_s=float(solver.get("time_s", 0.0))),
         pareto=None if pareto is None else tuple(
@@ -1112,24 +1136,14 @@ def loop_remat_on_the_model(tgt: Any, problem: Problem) -> Problem:
     counted as temporaries of their iterations (``remat_transient``), is not below the model's
     figure, the loop candidates are marked so; otherwise the replay's count stands. A note
     records the figures either way."""
-    import jax
 
-    from hloopt.analysis import analyze
-    from hloopt.hlo.parser import parse_module
-    from hloopt.lowering import lower
     from hloopt.simulator import simulate
     from hloopt.units import format_bytes
 
     loop = {c.key for c in problem.candidates if c.in_loop and Action.REMAT in c.allowed}
     if not loop:
         return problem
-    hit = _nothing_saved.get(id(tgt))
-    if hit is not None and hit[0]() is tgt:
-        modeled = hit[1]
-    else:
-        text = lower(tgt, platform="tpu", policy=jax.checkpoint_policies.nothing_saveable).hlo_text
-        modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (nothing saved)"), platform="tpu").peak_bytes)
-        _nothing_saved[id(tgt)] = (weakref.ref(tgt), modeled)
+    modeled = _nothing_saved_on_the_model(tgt)
     inside = dataclasses.replace(problem, candidates=tuple(
         dataclasses.replace(c, remat_transient=True) if c.key in loop else c for c in problem.candidates))
     every = Decisions({c.key: Action.REMAT for c in inside.candidates if Action.REMAT in c.allowed})
@@ -1158,7 +1172,8 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     optimizer update computed on the host (:mod:`hloopt.hosts`; default
     :data:`hloopt.hosts.DEFAULT_HOST`)."""
     from hloopt.search import search
-    from hloopt.simulator import simulate
+    from hloopt.simulator import lower_bound_peak, simulate
+    from hloopt.solvers.bounds import below_least_peak
     from hloopt.targets import Target, resolve
 
     tgt = target if isinstance(target, Target) else resolve(target, size=size)
@@ -1178,12 +1193,27 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                                  state=state, host_budget_bytes=host_budget_bytes, host=host)
     baseline = simulate(problem, Decisions.all_device())
     budget_bytes, mode = resolve_mode(budget, max_slowdown, pareto, baseline.peak_bytes)
+    # the memory model checks the planned step (_settle_on_the_model) where it describes the device
+    on_the_model = (budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
+                    and compile is None and an.memory is not None)
+    aim = budget_bytes  # the budget the replay searches under (see _model_shifted_budget)
     t0 = time.perf_counter()
     for _ in range(len(problem.candidates) + 1):
         with progress(f"searching {len(problem.candidates)} candidates"):
             try:
-                sr = search(problem, budget_bytes=budget_bytes, max_slowdown=max_slowdown, pareto=pareto,
-                            solver=solver, time_limit_s=time_limit_s)
+                try:
+                    sr = search(problem, budget_bytes=aim, max_slowdown=max_slowdown, pareto=pareto,
+                                solver=solver, time_limit_s=time_limit_s)
+                except InfeasibleBudget as err:
+                    if not on_the_model or budget_bytes is None:
+                        raise
+                    shifted = _model_shifted_budget(tgt, problem, budget_bytes)
+                    if shifted is None:
+                        least = min(lower_bound_peak(problem), _nothing_saved_on_the_model(tgt))
+                        raise InfeasibleBudget(below_least_peak(budget_bytes, least)) from err
+                    aim = shifted
+                    sr = search(problem, budget_bytes=aim, max_slowdown=max_slowdown, pareto=pareto,
+                                solver=solver, time_limit_s=time_limit_s)
             except InfeasibleBudget as err:
                 hint = unmovable_residuals_line(an.residuals, imports=_imports(tgt))
                 if hint is None:
@@ -1200,9 +1230,9 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     chosen = sr.plan
     decisions = chosen.decisions
     result = simulate(problem, decisions)
-    if budget_bytes is not None and result.peak_bytes > budget_bytes:
+    if aim is not None and result.peak_bytes > aim:
         raise UserError(f"internal: the chosen plan replays to {result.peak_bytes} B over the budget "
-                        f"{budget_bytes} B")
+                        f"{aim} B")
 
     def build(problem: Problem, decisions: Decisions, result: SimResult) -> Any:
         gap = chosen.mip_gap if chosen.mip_gap == chosen.mip_gap else None  # NaN: no MILP ran
@@ -1212,7 +1242,8 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         return make_plan(tgt.name, an, problem, profile, budget_spec=budget, budget_bytes=budget_bytes,
                          mode=mode, decisions=decisions, result=result, baseline=baseline,
                          solver=solver_info, pareto=list(sr.pareto) if pareto else None,
-                         host_budget_bytes=host_budget_bytes)
+                         host_budget_bytes=host_budget_bytes,
+                         model_least_peak_bytes=_nothing_saved_on_the_model(tgt) if on_the_model else None)
 
     plan_obj = build(problem, decisions, result)
     searched = problem
@@ -1220,16 +1251,19 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     # the check re-lowers the step with the plan's policy only, not its argument placements
     # (hloopt.apply_plan(plan, step, args) applies those); on TPU no group leaves the device
     hosted = any(c.state is not None and decisions.action(c.key) != Action.DEVICE for c in problem.candidates)
-    if (not hosted and budget_bytes is not None and not pareto and tgt.kind == "jax" and profile.kind == "tpu"
-            and compile is None and an.memory is not None):
+    if not hosted and on_the_model:
         with progress("checking the plan against the memory model (re-lowering with its policy)"):
             plan_obj, decisions, result, problem, settle_note = _settle_on_the_model(
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, platform=platform,
-                solver=solver, time_limit_s=time_limit_s)
+                solver=solver, time_limit_s=time_limit_s, aim=aim)
+    if on_the_model:
+        with progress("analyzing the step as written"):
+            as_written = _as_written_on_the_model(tgt)
     anchors = run_anchors(searched)  # every policy judged on the whole choice, not the settled one
     return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written,
                        imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
                        time_limit_s=time_limit_s, settle_note=settle_note,
+                       aim_bytes=aim if aim != budget_bytes else None,
                        target=tgt if compile is None else None, platform=platform)
 
 
@@ -1237,10 +1271,61 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
 SETTLE_ROUNDS = 3
 
 
+def _model_shifted_budget(tgt: Any, problem: Problem, budget_bytes: int | None) -> int | None:
+    """The budget for the replay to search under when it puts ``budget_bytes`` below the least
+    peak it reaches but the memory model puts the step with nothing saved within it; None when
+    the model agrees that no policy fits.
+
+    The replay takes a decision off the analyzed timeline linearly; the model (libtpu's larger of
+    two heaps over memory-space assignment, iterations' temporaries) does not, and on a small step
+    its "nothing saved" can sit well under the replay's (a 4-layer scan: 16.0 MiB by the model,
+    18.0 MiB replayed). The replay's figures are moved by that gap, its least peak lining up with
+    the model's; the planned step is then checked on the model against the budget itself
+    (:func:`_settle_on_the_model`), which lowers the aim again where the shift was too much."""
+    from hloopt.simulator import lower_bound_peak
+
+    if budget_bytes is None:
+        return None
+    modeled = _nothing_saved_on_the_model(tgt)
+    if modeled > budget_bytes:
+        return None
+    floor = lower_bound_peak(problem)
+    return max(floor, budget_bytes + (floor - modeled)) if floor > modeled else None
+
+
+def _as_written_on_the_model(tgt: Any) -> int:
+    """The memory model's peak of the step as its program is written (its own checkpoint
+    policies, none imposed): what the user's step needs today, beside which a plan is judged."""
+    from hloopt.analysis import analyze
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+
+    text = lower(tgt, platform="tpu").hlo_text
+    return int(analyze(parse_module(text, filename=f"{tgt.name} (as written)"), platform="tpu").peak_bytes)
+
+
+def _nothing_saved_on_the_model(tgt: Any) -> int:
+    """The memory model's peak (``hloopt analyze``'s TPU prediction) of the step lowered with
+    ``nothing_saveable``: the least any policy gives by the model's count (cached per Target)."""
+    import jax
+
+    from hloopt.analysis import analyze
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+
+    hit = _nothing_saved.get(id(tgt))
+    if hit is not None and hit[0]() is tgt:
+        return hit[1]
+    text = lower(tgt, platform="tpu", policy=jax.checkpoint_policies.nothing_saveable).hlo_text
+    modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (nothing saved)"), platform="tpu").peak_bytes)
+    _nothing_saved[id(tgt)] = (weakref.ref(tgt), modeled)
+    return modeled
+
+
 def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,
                          budget_bytes: int | None, build: Callable[[Problem, Decisions, SimResult], Any], *,
-                         platform: str | None, solver: str,
-                         time_limit_s: float) -> tuple[Any, Decisions, SimResult, Problem, str | None]:
+                         platform: str | None, solver: str, time_limit_s: float,
+                         aim: int | None = None) -> tuple[Any, Decisions, SimResult, Problem, str | None]:
     """A plan the memory model ``hloopt analyze`` runs puts within the budget, on the step lowered
     with the plan's policy.
 
@@ -1261,7 +1346,7 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     from hloopt.search import search
     from hloopt.simulator import lower_bound_peak, simulate
 
-    target = budget_bytes or 0
+    target = aim or budget_bytes or 0  # the budget the replay searched under
     best = None
     eager = [c for c in problem.candidates if f"eager:{c.key}" in problem.notes and Action.OFFLOAD in c.allowed]
     for round_ in range(SETTLE_ROUNDS + 1):
@@ -1295,6 +1380,18 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         result = simulate(problem, decisions)
         plan_obj = build(problem, decisions, result)
     assert best is not None
+    if budget_bytes is not None and best[0] > budget_bytes:
+        # the rounds did not reach the budget on the model: every value recomputed that can be
+        # (what nothing_saveable does to the values the plan decides), which the model may put
+        # within it where the replay's figures for the choices between are off
+        decisions = Decisions({c.key: Action.REMAT for c in problem.candidates if Action.REMAT in c.allowed})
+        if decisions.actions:
+            result = simulate(problem, decisions)
+            plan_obj = build(problem, decisions, result)
+            text = lower(tgt, platform=platform or "tpu", policy=policy(plan_obj)).hlo_text
+            modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (planned)"), platform="tpu").peak_bytes)
+            if modeled < best[0]:
+                best = (modeled, plan_obj, decisions, result, problem)
     modeled, plan_obj, decisions, result, problem = best
     # the memory model's figure for the planned step, beside the replay's
     plan_obj = dataclasses.replace(plan_obj, predicted=dataclasses.replace(plan_obj.predicted,
@@ -1371,8 +1468,10 @@ def _search_config(outcome: PlanOutcome, an: Analyzed, problem: Problem, baselin
     restricted = dataclasses.replace(problem, candidates=tuple(candidates))
     if baseline is None:
         baseline = simulate(restricted, Decisions.all_device())
+    # where the replay's count was moved to the memory model's (PlanOutcome.aim_bytes), so is this one
+    aim = outcome.aim_bytes if outcome.aim_bytes is not None and budget_bytes is not None else budget_bytes
     try:
-        sr = search(restricted, budget_bytes=budget_bytes, max_slowdown=max_slowdown,
+        sr = search(restricted, budget_bytes=aim, max_slowdown=max_slowdown,
                     solver=outcome.solver, time_limit_s=outcome.time_limit_s)
     except InfeasibleBudget:
         return None
@@ -1381,7 +1480,7 @@ def _search_config(outcome: PlanOutcome, an: Analyzed, problem: Problem, baselin
     actions.update({k: a for k, a in forced.items() if a != Action.DEVICE})
     decisions = Decisions(actions)
     result = simulate(restricted, decisions)
-    if budget_bytes is not None and result.peak_bytes > budget_bytes:
+    if aim is not None and result.peak_bytes > aim:
         return None
     p = outcome.plan
     return make_plan(p.target, an, restricted, _profile_of(p),

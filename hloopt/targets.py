@@ -10,7 +10,8 @@ A TARGET is one of
   is instead called again with it (:meth:`Target.rebuild`).
   ``file.py`` alone means ``file.py:make``. A file inside a package (folders with ``__init__.py``)
   is imported under its dotted name, with the folder above the package on ``sys.path``, so its
-  relative imports work.
+  relative imports work; a file outside a package has its own folder on ``sys.path``, as
+  ``python file.py`` would, so the modules beside it import.
 * an HLO text file (``HloModule ...``; ``.hlo`` or ``.txt``). MLIR/StableHLO is not read.
 * an XLA dump folder (``--xla_dump_to``): one ``module_NNNN.<name>...<stage>.txt`` is picked,
   by default the ``jit_*`` module with the largest text at the stage (the train step, not the
@@ -178,6 +179,10 @@ def _import_file(target: str, path: Path) -> Any:
             if Path(getattr(module, "__file__", "") or "").resolve() != path:
                 raise UserError(f"{target}: module {dotted!r} is already imported from {module.__file__}")
             return module
+        # as `python file.py` does: the file's folder first on sys.path, so the modules beside it
+        # (a model.py next to train.py) import
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
         name = f"_hloopt_target_{abs(hash(str(path)))}"
         if name in sys.modules:
             return sys.modules[name]

@@ -176,3 +176,79 @@ def test_all_device_replay_is_analyzes_prediction_on_third_party_steps(step: str
     tgt = resolve(f"fixtures/thirdparty/{step}.py:make", size="tiny")
     module, source = pipeline.lower_for_plan(tgt, PROFILE)
     check_all_device_replay(print_module(module), f"<{step} {source}>")
+
+
+_SCAN_STEP = '''
+import jax, jax.numpy as jnp
+
+def make():
+    def layer(h, w):
+        w1, w2 = w
+        return h + jnp.tanh(h @ w1) @ w2, None
+
+    def loss(params, x):
+        h, _ = jax.lax.scan(jax.checkpoint(layer), x, params)  # the program's own checkpoint
+        return jnp.mean(h ** 2)
+
+    def step(params, x):
+        l, g = jax.value_and_grad(loss)(params, x)
+        return l, jax.tree.map(lambda p, g: p - 1e-3 * g, params, g)
+
+    params = (jax.ShapeDtypeStruct((4, 128, 512), jnp.float32), jax.ShapeDtypeStruct((4, 512, 128), jnp.float32))
+    return step, (params, jax.ShapeDtypeStruct((8, 128, 128), jnp.float32))
+'''
+
+
+@pytest.fixture(scope="module")
+def scan_step(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    from hloopt.targets import resolve
+
+    path = tmp_path_factory.mktemp("scan") / "scan_step.py"
+    path.write_text(_SCAN_STEP)
+    return resolve(f"{path}:make")
+
+
+def test_the_floor_leaves_out_scanned_residual_stacks(scan_step) -> None:  # type: ignore[no-untyped-def]
+    """A scanned layer's residuals live in [L, ...] stacks named by the loop's initial value and
+    its in-place update, not by the loop output element the backward pass reads: the floor (the
+    model's VMEM side with every residual off the device) holds none of them, so recomputing
+    every value brings the replay down by the stacks' bytes (4 layers x 2 f32[8,128,512] = 16 MiB)."""
+    from hloopt.problem import Action
+    from hloopt.simulator import simulate
+
+    an, problem = pipeline.analyze_target(scan_step, PROFILE)
+    every = Decisions({c.key: Action.REMAT for c in problem.candidates if Action.REMAT in c.allowed})
+    saved = simulate(problem, Decisions.all_device()).peak_bytes
+    assert saved - simulate(problem, every).peak_bytes >= 16 * 2**20
+
+
+def test_a_budget_the_model_meets_with_nothing_saved_is_planned(scan_step) -> None:  # type: ignore[no-untyped-def]
+    """Where the replay's least peak is above the memory model's figure for the step with nothing
+    saved, a budget between the two is planned (not refused), and the memory model puts the step
+    lowered with the plan within it; a budget under both is refused with the lower figure."""
+    import jax
+
+    from hloopt.analysis import analyze
+    from hloopt.emit import policy
+    from hloopt.errors import InfeasibleBudget
+    from hloopt.hlo.parser import parse_module
+    from hloopt.lowering import lower
+    from hloopt.simulator import lower_bound_peak
+    from hloopt.units import format_bytes
+
+    nothing = analyze(parse_module(lower(scan_step, platform="tpu",
+                                         policy=jax.checkpoint_policies.nothing_saveable).hlo_text),
+                      platform="tpu").peak_bytes
+    _, problem = pipeline.analyze_target(scan_step, PROFILE)
+    replay_floor = lower_bound_peak(problem)
+    assert nothing < replay_floor, "the case this test is about: the replay counts more"
+    budget = (nothing + replay_floor) // 2
+    outcome = pipeline.plan(scan_step, profile=PROFILE, budget=str(budget))
+    modeled = analyze(parse_module(lower(scan_step, platform="tpu", policy=policy(outcome.plan)).hlo_text),
+                      platform="tpu").peak_bytes
+    assert modeled <= budget
+    assert outcome.plan.predicted.model_peak_bytes == modeled
+    assert outcome.plan.bounds.least_peak_bytes == nothing
+    assert outcome.as_written_peak_bytes is not None
+    with pytest.raises(InfeasibleBudget, match=f"needs at least {format_bytes(nothing)}"):
+        pipeline.plan(scan_step, profile=PROFILE, budget=str(nothing - 2**20))

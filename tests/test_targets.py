@@ -94,6 +94,19 @@ def test_a_file_in_a_package_keeps_its_relative_imports(tmp_path: Path) -> None:
     assert resolve(f"{model}:tiny").args == (7,)
 
 
+def test_a_file_outside_a_package_imports_the_modules_beside_it(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the folder it adds goes with the test
+    write(tmp_path / "proj" / "sibling_model_cfg.py", "ARGS = (11,)\n")
+    train = write(tmp_path / "proj" / "train.py", """
+        import sibling_model_cfg
+
+        def make():
+            return (lambda x: x), sibling_model_cfg.ARGS
+        """)
+    assert resolve(f"{train}:make").args == (11,)
+
+
 def test_dotted_module_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write(tmp_path / "dotted_pkg" / "__init__.py", "")
     write(tmp_path / "dotted_pkg" / "steps.py", "def tiny():\n    return print, ()\n")

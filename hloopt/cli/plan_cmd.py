@@ -199,10 +199,15 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
     budget = p.budget.bytes if p.budget else None
     s.add_row("all residuals on device", format_bytes(pr.baseline_peak_bytes),
               format_seconds(pr.baseline_step_time_s), "-")
-    s.add_row("[bold]hloopt plan[/bold]", format_bytes(pr.peak_bytes), format_seconds(pr.step_time_s),
+    plan_peak = format_bytes(pr.peak_bytes)
+    if budget is not None and pr.peak_bytes > budget and pr.model_peak_bytes is not None:
+        # the replay's figure is above the budget where the memory model put the planned step within it
+        plan_peak += f" (model: {format_bytes(pr.model_peak_bytes)})"
+    s.add_row("[bold]hloopt plan[/bold]", plan_peak, format_seconds(pr.step_time_s),
               format_seconds(pr.exposed_transfer_s))
+    judged = o.aim_bytes if o.aim_bytes is not None else budget  # type: ignore[attr-defined]
     for a in o.anchors:  # type: ignore[attr-defined]
-        fits = "" if budget is None else (" (fits)" if a.peak_bytes <= budget else " (over)")
+        fits = "" if judged is None else (" (fits)" if a.peak_bytes <= judged else " (over)")
         s.add_row(f"{a.kind}: {a.name}", format_bytes(a.peak_bytes) + fits, format_seconds(a.step_time_s), "")
     console.print(s)  # type: ignore[attr-defined]
     b = p.bounds
@@ -212,9 +217,22 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
         (f", gap {p.solver.gap:.2%}" if p.solver.gap is not None else "") + \
         (f", {p.solver.time_s:.2f} s)" if p.solver.time_s is not None else ")")
     console.print(line)  # type: ignore[attr-defined]
+    if o.aim_bytes is not None:  # type: ignore[attr-defined]
+        console.print(f"the replay counts more than the memory model with nothing saved here: policies are "  # type: ignore[attr-defined]
+                      f"judged against {format_bytes(o.aim_bytes)} in its count, the budget moved by "  # type: ignore[attr-defined]
+                      "that gap", markup=False, highlight=False)
     if pr.model_peak_bytes is not None:
         console.print(f"the step lowered with the plan: {format_bytes(pr.model_peak_bytes)} by the memory model "  # type: ignore[attr-defined]
                       "(hloopt analyze's TPU prediction)", markup=False, highlight=False)
+    written = o.as_written_peak_bytes  # type: ignore[attr-defined]
+    if written is not None:
+        planned = pr.model_peak_bytes if pr.model_peak_bytes is not None else pr.peak_bytes
+        console.print(f"the step as written (its own checkpoint policies): {format_bytes(written)} by the memory "  # type: ignore[attr-defined]
+                      "model", markup=False, highlight=False)
+        if planned > written:
+            console.print(f"note: the plan ({format_bytes(planned)}) needs more memory than the step as written; "  # type: ignore[attr-defined]
+                          f"--budget {format_bytes(written).replace(' ', '')} or lower plans one that needs no more",
+                          markup=False, highlight=False)
     if o.settle_note:  # type: ignore[attr-defined]
         console.print(f"warning: {o.settle_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
     hint = o.unmovable_line()  # type: ignore[attr-defined]

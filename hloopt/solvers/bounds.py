@@ -115,7 +115,13 @@ def check_budget(problem: Problem, budget_bytes: int) -> int:
     """Return the least peak; raise InfeasibleBudget when ``budget_bytes`` is below it."""
     floor = least_peak_bytes(problem)
     if budget_bytes < floor:
-        raise InfeasibleBudget(
-            f"budget {format_bytes(budget_bytes)} is below the least peak any policy reaches: "
-            f"needs at least {format_bytes(floor)}")
+        raise InfeasibleBudget(below_least_peak(budget_bytes, floor))
     return floor
+
+
+def below_least_peak(budget_bytes: int, least_bytes: int) -> str:
+    """The one line for a budget under the least peak (exact bytes where both round alike)."""
+    b, f = format_bytes(budget_bytes), format_bytes(least_bytes)
+    if b == f:
+        b, f = f"{budget_bytes:,} B", f"{least_bytes:,} B"
+    return f"budget {b} is below the least peak any policy reaches: needs at least {f}"
