@@ -216,7 +216,16 @@ def prepare_for_profile(module: Module, settings: Mapping[str, Any], *, am: Anal
         # a new module (call inlining's copy is not copied again): analyses cached on the old one do not apply
         module = assign_tpu_layouts(inlined, owned=owned or inlined is not module)
         am = None
-        if settings["schedule"] != "module":
+        if settings["schedule"] == "list":
+            from hloopt.passes.schedule import ScheduleResult, list_schedule
+            from hloopt.passes.tpu import TpuFusion
+
+            # scheduled as libtpu's scheduler sees the module: after fusion, where a value
+            # computed inside its readers allocates nothing and its operands live until they run
+            fused = TpuFusion().run(module, AnalysisManager(module)).fused
+            order = ScheduleResult("list", {c: list_schedule(c, fused) for c in module.computations.values()})
+            module = in_schedule_order(module, order, owned=True)
+        elif settings["schedule"] != "module":
             order = Schedule(kind=settings["schedule"]).run(module, AnalysisManager(module))
             # the layouts' module is always this call's own (a copy, or the caller's owned one)
             module = in_schedule_order(module, order, owned=True)

@@ -23,6 +23,7 @@ contains each instruction of its computation exactly once.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -73,8 +74,15 @@ def in_schedule_order(module: Module, schedule: ScheduleResult, *, owned: bool =
     return reordered(module, schedule.sequences, owned=owned)
 
 
-def list_schedule(comp: Computation) -> list[Instruction]:
-    """Greedy memory-aware topological order of ``comp`` (see the module docstring)."""
+def list_schedule(comp: Computation, fused: AbstractSet[Instruction] = frozenset()) -> list[Instruction]:
+    """Greedy memory-aware topological order of ``comp`` (see the module docstring).
+
+    ``fused``: instructions the target compiler computes inside their readers (its fusion
+    model's): they define no storage, and the values they read are read in storage by the
+    materialized instructions they are fused into, so an operand is freed by its last
+    materialized reader. Without it an elementwise chain that ends in a small reduction looks
+    like a run of large allocations, and the scheduler puts it, and the large value it frees,
+    after everything else (a loss whose logits stay live through the backward loop)."""
     insts = comp.instructions
     n = len(insts)
     # Instructions are numbered by text position (also the tie-break); everything below is
@@ -83,7 +91,8 @@ def list_schedule(comp: Computation) -> list[Instruction]:
     root = pos.get(comp.root, -1) if comp.root is not None else -1
     #: bytes each instruction defines (0 for one that forwards its operand's storage)
     #: (device bytes: a value placed in host memory, an offload, costs none and frees its operand)
-    size = [0 if inst.opcode in _FORWARDING or inst.shape.on_host else inst.shape.total_byte_size for inst in insts]
+    size = [0 if inst.opcode in _FORWARDING or inst.shape.on_host or inst in fused else inst.shape.total_byte_size
+            for inst in insts]
     #: distinct operands in this computation, in operand order
     operands: list[list[int]] = []
     remaining_uses = [0] * n
@@ -118,6 +127,8 @@ def list_schedule(comp: Computation) -> list[Instruction]:
                 succs[p].append(i)
         for o in ops:
             remaining_uses[o] += 1
+    if fused:
+        operands, remaining_uses = _storage_operands(insts, operands, [inst in fused for inst in insts])
 
     def priority(i: int) -> int:
         freed = 0
@@ -153,6 +164,32 @@ def list_schedule(comp: Computation) -> list[Instruction]:
     if len(out) != n:
         raise UserError(f"computation {comp.name} has a cycle: cannot schedule it")
     return out
+
+
+def _storage_operands(insts: list[Instruction], operands: list[list[int]],
+                      is_fused: list[bool]) -> tuple[list[list[int]], list[int]]:
+    """Per instruction, the materialized values it frees when it runs, and per value how many
+    materialized readers read it in storage: a fused instruction frees nothing (its reads are
+    its readers'), a materialized one reads what its fused operands read, through chains of them."""
+    reads: list[list[int]] = []  # in text order: operands come first
+    for i in range(len(insts)):
+        acc: dict[int, None] = {}
+        for o in operands[i]:
+            if is_fused[o]:
+                acc.update(dict.fromkeys(reads[o]))
+            else:
+                acc[o] = None
+        reads.append(list(acc))
+    storage: list[list[int]] = []
+    uses = [0] * len(insts)
+    for i in range(len(insts)):
+        if is_fused[i]:
+            storage.append([])
+        else:
+            storage.append(reads[i])
+            for o in reads[i]:
+                uses[o] += 1
+    return storage, uses
 
 
 __all__ = ["KINDS", "Schedule", "ScheduleResult", "in_schedule_order", "list_schedule"]

@@ -765,7 +765,8 @@ def test_device_annotations_read_back_their_offload() -> None:
 def test_offload_outside_a_loop_saves_no_hbm_in_the_prediction() -> None:
     """With libtpu's prefetch right after the offload, gpt2's offloaded residuals stay on the
     device from the forward to the backward pass: the predicted device peak is not below the
-    one with the device copies counted only from where the backward reads them."""
+    one with the device copies counted only from where the backward reads them, and the copies
+    hold device bytes over more of the step."""
     from hloopt.analysis import profile_module, settings_for
 
     module = parse_file(ZOO / "gpt2.offload.tpu.hlo")
@@ -773,7 +774,8 @@ def test_offload_outside_a_loop_saves_no_hbm_in_the_prediction() -> None:
     late, _ = profile_module(parse_file(ZOO / "gpt2.offload.tpu.hlo"), platform="tpu", prefetch_at_offload=False)
     assert settings_for(module, platform="tpu")["prefetch_at_offload"]
     assert eager.host_bytes == late.host_bytes == _figures("gpt2.offload")["host_temp_size_in_bytes"]
-    assert eager.peak_bytes > late.peak_bytes
+    assert eager.peak_bytes >= late.peak_bytes
+    assert sum(eager.timeline_bytes) > sum(late.timeline_bytes)
 
 
 def test_prediction_notes_name_its_blind_spots() -> None:
