@@ -7,8 +7,9 @@
   pre-optimization modules: among ready instructions pick the one that frees the most device
   bytes minus the device bytes it defines (ties: text order; a value in host memory, ``S(5)``,
   defines none, so an offload runs as soon as it can). Priorities only change when another user of an operand
-  is scheduled, so a popped instruction whose priority went stale is pushed back (lazy heap):
-  O(n log n) overall.
+  is scheduled: a popped instruction whose priority went stale is pushed back (lazy heap), and
+  when a value is down to its last reader, that reader, if ready, is pushed again with the better
+  priority (each value once): O(n log n) overall.
 
 ``in_schedule_order(module, schedule)`` is the transform that writes a schedule down: a new
 module whose computations list their instructions in the schedule's order, so that its text
@@ -137,6 +138,13 @@ def list_schedule(comp: Computation, fused: AbstractSet[Instruction] = frozenset
                 freed += size[o]
         return size[i] - freed  # smaller is better
 
+    #: per value, the instructions that read it (in storage): when all but one of them have run,
+    #: the last one frees it, and its priority improves
+    readers: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n):
+        for o in operands[i]:
+            readers[o].append(i)
+
     heap = [(priority(i), i) for i in range(n) if deps_left[i] == 0]
     heapq.heapify(heap)
     out: list[Instruction] = []
@@ -157,6 +165,12 @@ def list_schedule(comp: Computation, fused: AbstractSet[Instruction] = frozenset
         out.append(insts[i])
         for o in operands[i]:
             remaining_uses[o] -= 1
+            if remaining_uses[o] == 1 and size[o] and o != root:
+                # the last reader of o now frees it: an entry already in the heap holds its older,
+                # worse priority, which the staleness check above only ever raises
+                for r in readers[o]:
+                    if not done[r] and deps_left[r] == 0:
+                        push(heap, (priority(r), r))
         for j in succs[i]:
             deps_left[j] -= 1
             if deps_left[j] == 0:

@@ -163,18 +163,7 @@ def _third_party() -> list[str]:
     return list(LIBRARY)
 
 
-#: steps whose predicted peak falls inside a scanned loop holding stacks, where the replay is
-#: below analyze: it holds a kept stack's layer from the forward iteration that writes it to the
-#: backward one that reads it, XLA (and analyze) the whole stack from before the forward loop to
-#: after the backward one (module docstring of hloopt/pipeline.py, "Stacked residuals")
-PEAK_INSIDE_A_LOOP = {
-    "levanter_gpt2": "nested scans (blocks of 2 scanned layers): analyze's peak is inside a scanned "
-                     "loop, replay 12,976,128 B vs 13,051,392 B (-0.6%)",
-}
-
-
-@pytest.mark.parametrize("step", [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=PEAK_INSIDE_A_LOOP[s]))
-                                  if s in PEAK_INSIDE_A_LOOP else s for s in _third_party()])
+@pytest.mark.parametrize("step", _third_party())
 def test_all_device_replay_is_analyzes_prediction_on_third_party_steps(step: str) -> None:
     """Steps built from model libraries we did not write (fixtures/thirdparty/, tiny sizes),
     lowered with every residual saved as the planner lowers them: the plan's all-on-device peak is

@@ -42,18 +42,18 @@ EXPECTED: dict[str, tuple[int, int, set[str]]] = {
     "levanter_gpt2": (3, 5, {"scan(layers)__carry", "scan(layers)__input"}),
 }
 
-#: measured error of the pre-optimization prediction vs libtpu's peak at size tiny (libtpu 0.0.42,
-#: jax 0.10.2; ``python bench/thirdparty.py --size tiny``). The slow test compiles the tiny steps
+#: measured error of the pre-optimization prediction vs libtpu's peak at size tiny (libtpu 0.0.42.1,
+#: jax 0.10.2; ``python bench/thirdparty.py --size tiny``, 2026-12-04). The slow test compiles the tiny steps
 #: (3-30 s each); the small ones take 2-5 minutes each on a 2-core machine, too long for every CI
 #: run: their numbers are in fixtures/thirdparty/README.md.
 TINY_ERROR: dict[str, float] = {
-    "hf_gpt2": +0.016, "hf_bert": +0.032, "hf_whisper": -0.121, "hf_resnet": -0.017,
-    "levanter_llama": +0.002, "levanter_gpt2": +0.002,
+    "hf_gpt2": -0.014, "hf_bert": +0.047, "hf_whisper": -0.122, "hf_resnet": -0.014,
+    "levanter_llama": -0.002, "levanter_gpt2": -0.013,
 }
 
 #: steps whose tiny prediction misses libtpu by more than 5%: what they have that the others lack
 TINY_MISSES: dict[str, str] = {
-    "hf_whisper": "-12.1%: 1-D convolutions over the mel frames (the encoder's front end) under remat",
+    "hf_whisper": "-12.2%: 1-D convolutions over the mel frames (the encoder's front end) under remat",
 }
 
 
@@ -243,8 +243,8 @@ def test_prediction_vs_libtpu(step: str) -> None:
     assert low.memory is not None
     real = low.memory["peak_memory_in_bytes"]
     err = predicted / real - 1
-    # within the measured error and 2 points more; a miss (strict xfail) is held to 5%
-    bound = 0.05 if step in TINY_MISSES else abs(TINY_ERROR[step]) + 0.02
+    # within the measured error and 2 points more, never over 5%; a miss (strict xfail) is held to 5%
+    bound = 0.05 if step in TINY_MISSES else min(abs(TINY_ERROR[step]) + 0.02, 0.05)
     assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
 
 
@@ -303,37 +303,40 @@ def check_plan_compiled(step: str, size: str, share: str, tmp_path: Any, *, tole
     return plan
 
 
+#: Levanter's Llama at 60%: the planned step's memory-model figure misses libtpu's by more than 3%
+LEVANTER_60 = ("-3.9% (libtpu 0.0.42.1, jax 0.10.2: model_peak_bytes 1,811,774,464 vs libtpu 1,884,809,728; "
+               "the budget holds): a Haliax scan over layers whose scan carries are offloaded and other "
+               "residuals recomputed, the model under libtpu where the scheduler sees fusion")
+
+
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize("share", ["85%", "60%"])
+@pytest.mark.parametrize("share", ["85%", pytest.param("60%", marks=pytest.mark.xfail(strict=True, reason=LEVANTER_60))])
 def test_levanter_llama_plan_applied_as_written_and_compiled(share: str, tmp_path) -> None:
     """Levanter's Llama (haliax scan over 8 layers, batch 8 x 512) planned at a budget, the plan
     applied to the unmodified step with ``hloopt.use_plan``, the step compiled by libtpu: the
     offloads JAX emits are the planned ones (shape and count), the compiled peak is within the
     budget, and the memory model's figure for the planned step (``model_peak_bytes``) is within
-    3% of it (libtpu 0.0.42, jax 0.10.2: model 2,784,869,376 B vs libtpu 2,757,224,960 B at 85%,
-    +1.0%; 1,636,809,728 B vs 1,684,531,712 B at 60%, -2.8%; the simulator's replay, which every
-    policy is compared by, says 3,163,274,240 and 2,047,589,376 B: 15% and 22% above)."""
+    3% of it (libtpu 0.0.42.1, jax 0.10.2: at 85% it is; at 60%, -3.9%: strict xfail,
+    :data:`LEVANTER_60`). The simulator's replay, which every policy is compared by, sits 15-22%
+    above both: the plan's predicted peak is the model's figure."""
     plan = check_plan_compiled("levanter_llama", "small", share, tmp_path, tolerance=0.03)
     assert plan.of("offload")
 
 
-#: transformers' BERT at size mid: its 84% plan's memory-model figure misses libtpu's by more than 3%
-HF_BERT_84 = ("+4.2% (libtpu 0.0.42, jax 0.10.2: model_peak_bytes 85,825,024 vs libtpu 82,331,136): "
-              "the model peaks in a layer's backward (its FFN kernel gradient) with the three embedding "
-              "lookups (3 x 512 KiB) still live: the embedding sum is fused into its readers, one of them "
-              "the layer norm's backward; libtpu peaks at the MLM head's gradient, having written that sum "
-              "out beside the layer norm's statistics (a multi-output fusion) and freed the lookups. A rule "
-              "writing out such sums broke the zoo convnet's batch norm (over 10%): not taken")
+#: Whisper at 92%: the planned step's memory-model figure misses libtpu's by more than 3%
+WHISPER_92 = ("+4.0% (libtpu 0.0.42.1, jax 0.10.2: model_peak_bytes 175,148,032 vs libtpu 168,353,280; the "
+              "budget holds): an encoder-decoder whose encoder front end is 1-D convolutions over the mel "
+              "frames under remat (the tiny step's -12% miss), with 4 residual groups recomputed")
 
 
 @pytest.mark.slow
 @pytest.mark.tpu
 @pytest.mark.parametrize(("step", "share"), [
     ("hf_bert", "90%"),
-    pytest.param("hf_bert", "84%", marks=pytest.mark.xfail(strict=True, reason=HF_BERT_84)),
+    ("hf_bert", "84%"),
     ("hf_whisper", "90%"),
-    ("hf_whisper", "92%"),
+    pytest.param("hf_whisper", "92%", marks=pytest.mark.xfail(strict=True, reason=WHISPER_92)),
 ])
 def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path) -> None:
     """transformers' Flax BERT (``gradient_checkpointing=True``: ``nn.remat`` per layer) at size
@@ -341,20 +344,15 @@ def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path
     compiled by libtpu, as the Levanter test above: the offloads JAX emits are the planned ones,
     the compiled peak is within the budget, ``model_peak_bytes`` within 3% of it.
 
-    Budgets, from measurement (libtpu 0.0.42, jax 0.10.2): the all-on-device peak (the simulator's
-    baseline) is 104,460,800 B and the least any policy reaches 85,025,280 B (81.4%): 90% is about
-    the midpoint, 84% near the least. Both plans recompute only: the layers are unrolled (no
-    ``lax.scan``), and libtpu copies a value offloaded outside a loop straight back, so the
-    pipeline drops offloads; JAX emits none, as planned. Measured: at 90% (94,014,720 B) 7
-    residual groups recomputed, replay 89,780,736 B, model 89,792,000 B, libtpu 88,098,304 B
-    (+1.9%); at 84% (87,747,072 B) 5 groups recomputed, replay 87,683,584 B, model 85,825,024 B,
-    libtpu 82,331,136 B (+4.2%: strict xfail, reason :data:`HF_BERT_84`; the budget holds, below).
-    Plan 23-24 s and compile 21-35 s each on 2 shared cores.
-
-    Whisper (``gradient_checkpointing=True``, 2 + 2 layers of 256, 512 mel frames, 128 tokens,
-    batch 2): all-on-device 190,735,872 B; at 90% (171,662,284 B) 7 groups recomputed, model
-    169,104,384 B vs libtpu 166,970,880 B (+1.3%); at 92% 4 groups, model 172,110,848 B vs libtpu
-    169,911,808 B (+1.3%). Plan 11-18 s, compile about 18 s each.
+    Budgets: BERT's all-on-device peak (the simulator's baseline) is 104,460,800 B and the least
+    any policy reaches 85,025,280 B (81.4%): 90% is about the midpoint, 84% near the least. Both
+    plans recompute only: the layers are unrolled (no ``lax.scan``), and libtpu copies a value
+    offloaded outside a loop straight back, so the pipeline drops offloads; JAX emits none, as
+    planned. Whisper (``gradient_checkpointing=True``, 2 + 2 layers of 256, 512 mel frames, 128
+    tokens, batch 2): all-on-device 190,735,872 B; at 92% the model misses by +4.0% (strict xfail,
+    :data:`WHISPER_92`; its budget holds, below). Each plan and compile takes 10-35 s on 2 cores;
+    ``python bench/thirdparty_plans.py --steps hf_bert,hf_whisper --size mid`` prints the figures
+    side by side (libtpu 0.0.42.1, jax 0.10.2).
 
     transformers' Flax GPT-2 and ResNet have no ``jax.checkpoint`` (no switch in the library):
     no policy moves anything, so there is no plan below their peak to apply
@@ -364,11 +362,11 @@ def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize(("step", "share"), [("hf_bert", "84%")])
+@pytest.mark.parametrize(("step", "share"), [("hf_whisper", "92%")])
 def test_hf_plan_compiles_within_budget(step: str, share: str, tmp_path) -> None:
     """The budget half of the xfail'ed parametrizations above: offloads as planned and libtpu's
-    peak within the budget (hf_bert mid at 84%: 82,331,136 B <= 87,747,072 B, libtpu 0.0.42,
-    jax 0.10.2); the plan and compile are shared with the xfail'ed test when both run."""
+    peak within the budget (Whisper mid at 92%: 168,353,280 B, libtpu 0.0.42.1, jax 0.10.2); the
+    plan and compile are shared with the xfail'ed test when both run."""
     check_plan_compiled(step, "mid", share, tmp_path, tolerance=None)
 
 

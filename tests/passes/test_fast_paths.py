@@ -131,8 +131,9 @@ def test_forward_tuple_reads_is_the_round_by_round_removal(name: str) -> None:
 
 @pytest.mark.parametrize("name", SNAPSHOTS)
 def test_list_schedule_operand_lists_are_the_distinct_operands(name: str) -> None:
-    """The scheduler's written-out operand lists (0, 1, 2 operands) give the schedule the
-    generic ``dict.fromkeys`` form gives: compared through the orders themselves."""
+    """The scheduler (written-out operand lists for 0, 1, 2 operands; a lazy heap whose entries
+    are pushed again when a value comes down to its last reader) gives the schedule of its
+    definition, every ready instruction's priority computed afresh at each step."""
     from hloopt.passes import schedule as sched
 
     m = _layout_module(name)
@@ -142,10 +143,9 @@ def test_list_schedule_operand_lists_are_the_distinct_operands(name: str) -> Non
 
 
 def _reference_list_schedule(comp):  # type: ignore[no-untyped-def]
-    """schedule.list_schedule as it was before its fast paths (generic operand lists, a
-    priority function at every push and pop)."""
-    import heapq
-
+    """The list schedule by its definition, with no heap: at every step, among the ready
+    instructions, the one with the least (bytes it defines - bytes it frees, text position),
+    every priority computed afresh (O(n x ready))."""
     from hloopt.passes.schedule import _FORWARDING
 
     insts = comp.instructions
@@ -169,22 +169,16 @@ def _reference_list_schedule(comp):  # type: ignore[no-untyped-def]
     def priority(i):  # type: ignore[no-untyped-def]
         return size[i] - sum(size[o] for o in operands[i] if remaining[o] == 1 and o != root)
 
-    heap = [(priority(i), i) for i in range(n) if deps[i] == 0]
-    heapq.heapify(heap)
-    out, done = [], [False] * n
-    while heap:
-        pri, i = heapq.heappop(heap)
-        if done[i]:
-            continue
-        if priority(i) != pri:
-            heapq.heappush(heap, (priority(i), i))
-            continue
-        done[i] = True
+    ready = {i for i in range(n) if deps[i] == 0}
+    out = []
+    while ready:
+        i = min(ready, key=lambda k: (priority(k), k))
+        ready.discard(i)
         out.append(insts[i])
         for o in operands[i]:
             remaining[o] -= 1
         for j in succs[i]:
             deps[j] -= 1
             if deps[j] == 0:
-                heapq.heappush(heap, (priority(j), j))
+                ready.add(j)
     return out
