@@ -1337,7 +1337,8 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     offloads outside loops are taken out of the choices (libtpu copies them back at once, so they
     free nothing there), then the budget the search aims at is lowered by the overshoot, at most
     :data:`SETTLE_ROUNDS` searches in all. The plan keeps the replay's prediction (what its
-    decisions take off the analyzed timeline); the last value is a note, with the model's figure,
+    decisions take off the analyzed timeline) as ``replay_peak_bytes`` and the model's figure as its
+    predicted peak; the last value is a note, with the model's figure,
     when no plan the model puts within the budget was found."""
     from hloopt.analysis import analyze
     from hloopt.emit import policy
@@ -1393,9 +1394,12 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
             if modeled < best[0]:
                 best = (modeled, plan_obj, decisions, result, problem)
     modeled, plan_obj, decisions, result, problem = best
-    # the memory model's figure for the planned step, beside the replay's
-    plan_obj = dataclasses.replace(plan_obj, predicted=dataclasses.replace(plan_obj.predicted,
-                                                                            model_peak_bytes=modeled))
+    # One figure for the planned step: the memory model's (what ``hloopt analyze`` predicts for the
+    # step lowered with the plan), which is the figure checked against the budget; the replay's
+    # stays what the search compared choices by.
+    plan_obj = dataclasses.replace(plan_obj, predicted=dataclasses.replace(
+        plan_obj.predicted, peak_bytes=modeled, model_peak_bytes=modeled,
+        replay_peak_bytes=plan_obj.predicted.peak_bytes))
     note = None
     if budget_bytes is not None and modeled > budget_bytes:
         from hloopt.units import format_bytes

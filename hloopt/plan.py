@@ -170,9 +170,12 @@ class Predicted:
     baseline_peak_bytes: int
     baseline_step_time_s: float
     #: the memory model's peak (``hloopt analyze``'s TPU prediction) of the step lowered with the
-    #: plan's policy, where the pipeline lowered it (budget plans of JAX targets for TPU);
-    #: ``peak_bytes`` is the simulator's replay, the figure every policy is compared by
+    #: plan's policy, where the pipeline lowered it (budget plans of JAX targets for TPU); there
+    #: ``peak_bytes`` is this figure too
     model_peak_bytes: int | None = None
+    #: where the step was lowered with the plan: the simulator's replay of the plan's decisions on
+    #: the analyzed timeline, the figure the search compared choices (and built-in policies) by
+    replay_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -502,7 +505,9 @@ def _parse_plan(data: Any, origin: str) -> Plan:
                           baseline_peak_bytes=p.int("baseline_peak_bytes"),
                           baseline_step_time_s=p.num("baseline_step_time_s"),
                           model_peak_bytes=p.int("model_peak_bytes", nullable=True)
-                          if "model_peak_bytes" in p.obj else None)
+                          if "model_peak_bytes" in p.obj else None,
+                          replay_peak_bytes=p.int("replay_peak_bytes", nullable=True)
+                          if "replay_peak_bytes" in p.obj else None)
     b = r.obj_("bounds")
     bounds = Bounds(least_peak_bytes=b.int("least_peak_bytes"), least_step_time_s=b.num("least_step_time_s"))
     s = r.obj_("solver")

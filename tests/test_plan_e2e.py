@@ -73,7 +73,15 @@ def tpu_lock() -> Iterator[None]:
 
 # -- two budgets, verified by re-lowering ---------------------------------------------------------
 
-@pytest.mark.parametrize("model", MODELS)
+#: the tiny mlp's plans between the replay's floor and its peak: the memory model puts every plan
+#: at or above the all-on-device peak
+MLP_FLOOR = ("tiny mlp (libtpu 0.0.42.1 model): all-on-device 498,688 B, every value recomputed 540,672 B, "
+             "the replay's floor below both: the step peaks at its VMEM heap, which no policy lowers, so "
+             "a budget 1/3 of the way up from that floor (498,005 B) is below every plan the model reaches")
+
+
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=MLP_FLOOR))
+                                   if m == "mlp" else m for m in MODELS])
 def test_plans_fit_and_the_policy_moves_exactly_the_plan(model: str) -> None:
     from hloopt.verify import verify
 

@@ -199,10 +199,9 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
     budget = p.budget.bytes if p.budget else None
     s.add_row("all residuals on device", format_bytes(pr.baseline_peak_bytes),
               format_seconds(pr.baseline_step_time_s), "-")
-    plan_peak = format_bytes(pr.peak_bytes)
-    if budget is not None and pr.peak_bytes > budget and pr.model_peak_bytes is not None:
-        # the replay's figure is above the budget where the memory model put the planned step within it
-        plan_peak += f" (model: {format_bytes(pr.model_peak_bytes)})"
+    # the rows are the replay's figures (one count for every policy); the plan's own predicted
+    # peak, the memory model's of the step lowered with it, is printed below the table
+    plan_peak = format_bytes(pr.replay_peak_bytes if pr.replay_peak_bytes is not None else pr.peak_bytes)
     s.add_row("[bold]hloopt plan[/bold]", plan_peak, format_seconds(pr.step_time_s),
               format_seconds(pr.exposed_transfer_s))
     judged = o.aim_bytes if o.aim_bytes is not None else budget  # type: ignore[attr-defined]
@@ -223,7 +222,7 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
                       "that gap", markup=False, highlight=False)
     if pr.model_peak_bytes is not None:
         console.print(f"the step lowered with the plan: {format_bytes(pr.model_peak_bytes)} by the memory model "  # type: ignore[attr-defined]
-                      "(hloopt analyze's TPU prediction)", markup=False, highlight=False)
+                      "(hloopt analyze's TPU prediction; the plan's predicted peak)", markup=False, highlight=False)
     written = o.as_written_peak_bytes  # type: ignore[attr-defined]
     if written is not None:
         planned = pr.model_peak_bytes if pr.model_peak_bytes is not None else pr.peak_bytes
