@@ -241,6 +241,10 @@ class TraceCalibration:
     transfers: int
 
 
+#: how XLA's GPU profiler names a command buffer's (CUDA graph's) event in place of its instructions
+COMMAND_BUFFER_PREFIX = "command_buffer"
+
+
 def fit_trace(trace: Any, module: Any, base: DeviceProfile) -> TraceCalibration:
     """Fit per-op-class efficiency from ``trace`` (:class:`hloopt.profile_trace.Trace`) of ``module``
     (the compiled module that ran, parsed): each op event is matched by name to an instruction
@@ -256,6 +260,15 @@ def fit_trace(trace: Any, module: Any, base: DeviceProfile) -> TraceCalibration:
         raise UserError(f"{trace.path}: no op events of module {module.name!r} (the trace has "
                         f"{', '.join(seen) or 'no op events'}); give the TARGET whose step was traced")
     leaves = leaf_ops(mine)
+    buffers = sorted({o.op for o in leaves if o.op.startswith(COMMAND_BUFFER_PREFIX)})
+    if buffers:
+        # XLA's GPU backend runs runs of a step's kernels as CUDA graphs (command buffers) by
+        # default; the profiler then times each buffer, not the instructions inside it, and a fit
+        # over what is left mistakes the rest of the step for the few ops it did see
+        raise UserError(f"{trace.path}: {len(buffers)} op events are XLA command buffers ({', '.join(buffers[:3])}"
+                        f"{', ...' if len(buffers) > 3 else ''}), which time many instructions as one; record "
+                        f"the trace with XLA_FLAGS=--xla_gpu_enable_command_buffer= so that each instruction "
+                        f"is its own event")
     runs = [r for r in trace.runs if ops_in_run(trace, r, leaves)]
     plain = dataclasses.replace(base, compute_efficiency={})
     cost = CostAnalysis(profile=plain).run(module)

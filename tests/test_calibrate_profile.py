@@ -172,6 +172,27 @@ ENTRY %main (p: f32[64,64]) -> f32[64,64] {
     assert f.efficiency == pytest.approx(roofline_s / 5e-6)
 
 
+def test_a_trace_of_command_buffers_is_refused_with_the_flag_that_avoids_them(tmp_path: Path) -> None:
+    """Measured on an H200 (jax 0.11.2): with XLA's default command buffers the trace's op events
+    for llama small were ``command_buffer_1``, ``command_buffer_17``... and none matched an
+    instruction; the fit must not go on with what is left."""
+    from hloopt.errors import UserError
+    from hloopt.hlo.parser import parse_module
+
+    module = parse_module("""HloModule jit_f, is_scheduled=true
+
+ENTRY %main (p: f32[64,64]) -> f32[64,64] {
+  %p = f32[64,64]{1,0} parameter(0)
+  ROOT %dot = f32[64,64]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+""")
+    trace = Trace(tmp_path, ops=(OpEvent("jit_f", "dot", 10.0, 5.0, 1, 1),
+                                 OpEvent("jit_f", "command_buffer_17", 20.0, 50.0, 1, 1)), runs=(), transfers=())
+    with pytest.raises(UserError, match="command_buffer_17.*--xla_gpu_enable_command_buffer="):
+        fit_trace(trace, module, load_profile("h200"))
+    fit_trace(dataclasses.replace(trace, ops=trace.ops[:1]), module, load_profile("h200"))
+
+
 def test_leaf_ops_drop_an_enclosing_loop_event() -> None:
     loop = OpEvent("m", "while", 0.0, 10.0, 1, 1)
     body = [OpEvent("m", "a", 1.0, 3.0, 1, 1), OpEvent("m", "b", 5.0, 4.0, 1, 1)]

@@ -21,7 +21,8 @@ from hloopt.units import format_rate, format_seconds
               help="Timed copies per size and direction.")
 @click.option("--profile", "trace_dir", default=None, metavar="DIR",
               help="Fit per-op-class efficiency (and link rates, where it has copies) from a "
-                   "jax.profiler.trace(DIR) trace instead of timing copies.")
+                   "jax.profiler.trace(DIR) trace instead of timing copies. On GPUs record it with "
+                   "XLA_FLAGS=--xla_gpu_enable_command_buffer= (XLA's CUDA graphs hide each op's time).")
 @click.option("--target", "target", default=None, metavar="TARGET",
               help="With --profile: the step that was traced (file.py:factory, compiled again on this "
                    "backend), or its optimized HLO (a dump folder or after_optimizations file).")
