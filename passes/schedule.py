@@ -92,8 +92,10 @@ def list_schedule(comp: Computation, fused: AbstractSet[Instruction] = frozenset
     root = pos.get(comp.root, -1) if comp.root is not None else -1
     #: bytes each instruction defines (0 for one that forwards its operand's storage)
     #: (device bytes: a value placed in host memory, an offload, costs none and frees its operand)
-    size = [0 if inst.opcode in _FORWARDING or inst.shape.on_host or inst in fused else inst.shape.total_byte_size
-            for inst in insts]
+    is_fused = [inst in fused for inst in insts] if fused else []
+    size = [0 if inst.opcode in _FORWARDING or inst.shape.on_host else inst.shape.total_byte_size for inst in insts]
+    if any(is_fused):
+        size = [0 if f else b for f, b in zip(is_fused, size)]
     #: distinct operands in this computation, in operand order
     operands: list[list[int]] = []
     remaining_uses = [0] * n
@@ -128,8 +130,8 @@ def list_schedule(comp: Computation, fused: AbstractSet[Instruction] = frozenset
                 succs[p].append(i)
         for o in ops:
             remaining_uses[o] += 1
-    if fused:
-        operands, remaining_uses = _storage_operands(insts, operands, [inst in fused for inst in insts])
+    if any(is_fused):
+        operands, remaining_uses = _storage_operands(insts, operands, is_fused)
 
     def priority(i: int) -> int:
         freed = 0
@@ -185,23 +187,31 @@ def _storage_operands(insts: list[Instruction], operands: list[list[int]],
     """Per instruction, the materialized values it frees when it runs, and per value how many
     materialized readers read it in storage: a fused instruction frees nothing (its reads are
     its readers'), a materialized one reads what its fused operands read, through chains of them."""
-    reads: list[list[int]] = []  # in text order: operands come first
+    # in text order (operands come first); each an ordered set, shared, never changed once made:
+    # a fused instruction with one fused operand reads exactly what that operand reads
+    reads: list[dict[int, None]] = []
     for i in range(len(insts)):
+        ops = operands[i]
+        if len(ops) == 1:
+            o = ops[0]
+            reads.append(reads[o] if is_fused[o] else {o: None})
+            continue
         acc: dict[int, None] = {}
-        for o in operands[i]:
+        for o in ops:
             if is_fused[o]:
-                acc.update(dict.fromkeys(reads[o]))
+                acc.update(reads[o])
             else:
                 acc[o] = None
-        reads.append(list(acc))
+        reads.append(acc)
     storage: list[list[int]] = []
     uses = [0] * len(insts)
     for i in range(len(insts)):
         if is_fused[i]:
             storage.append([])
         else:
-            storage.append(reads[i])
-            for o in reads[i]:
+            r = list(reads[i])
+            storage.append(r)
+            for o in r:
                 uses[o] += 1
     return storage, uses
 
