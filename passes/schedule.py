@@ -92,10 +92,10 @@ def list_schedule(comp: Computation, fused: AbstractSet[Instruction] = frozenset
     root = pos.get(comp.root, -1) if comp.root is not None else -1
     #: bytes each instruction defines (0 for one that forwards its operand's storage)
     #: (device bytes: a value placed in host memory, an offload, costs none and frees its operand)
-    is_fused = [inst in fused for inst in insts] if fused else []
-    size = [0 if inst.opcode in _FORWARDING or inst.shape.on_host else inst.shape.total_byte_size for inst in insts]
-    if any(is_fused):
-        size = [0 if f else b for f, b in zip(is_fused, size)]
+    is_fused = [inst in fused for inst in insts] if fused else [False] * n
+    any_fused = any(is_fused)
+    size = [0 if f or inst.opcode in _FORWARDING or inst.shape.on_host else inst.shape.total_byte_size
+            for inst, f in zip(insts, is_fused)]
     #: distinct operands in this computation, in operand order
     operands: list[list[int]] = []
     remaining_uses = [0] * n
@@ -130,7 +130,7 @@ def list_schedule(comp: Computation, fused: AbstractSet[Instruction] = frozenset
                 succs[p].append(i)
         for o in ops:
             remaining_uses[o] += 1
-    if any(is_fused):
+    if any_fused:
         operands, remaining_uses = _storage_operands(insts, operands, is_fused)
 
     def priority(i: int) -> int:

@@ -225,7 +225,7 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
                       "(hloopt analyze's TPU prediction; the plan's predicted peak)", markup=False, highlight=False)
     written = o.as_written_peak_bytes  # type: ignore[attr-defined]
     if written is not None:
-        planned = pr.model_peak_bytes if pr.model_peak_bytes is not None else pr.peak_bytes
+        planned = pr.peak_bytes  # the model's figure where the step was lowered with the plan
         console.print(f"the step as written (its own checkpoint policies): {format_bytes(written)} by the memory "  # type: ignore[attr-defined]
                       "model", markup=False, highlight=False)
         if planned > written:
