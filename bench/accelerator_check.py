@@ -24,8 +24,65 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def record_and_fit(target: str, out: Path, *, base: str | None = None, steps: int = 5) -> dict[str, Any]:
+    """Steps 1-4 above for ``target`` on the default device: the trace under ``out/trace``, the
+    calibrated profile (fitted efficiencies; the timed link where timing worked) in
+    ``out/calibrated.toml``. Returns what was found, JSON-able."""
+    import hloopt.lowering  # noqa: F401,I001  (before jax: sets XLA_FLAGS / JAX_PLATFORMS)
+    import jax
+
+    from hloopt.calibrate import (
+        calibrated_profile,
+        compiled_module_for,
+        fit_trace,
+        measure_link,
+        trace_calibrated_profile,
+    )
+    from hloopt.cli.calibrate_cmd import _guess_base
+    from hloopt.devices import load_profile, write_profile
+    from hloopt.measure import materialize
+    from hloopt.profile_trace import read_trace
+    from hloopt.targets import resolve
+
+    dev = jax.devices()[0]
+    tgt = resolve(target)
+    args = materialize(tuple(tgt.args))
+    f = jax.jit(tgt.step_fn)
+    jax.block_until_ready(f(*args))
+    with jax.profiler.trace(str(out / "trace")):
+        for _ in range(steps):
+            jax.block_until_ready(f(*args))
+    trace = read_trace(out / "trace")
+    profile_base = load_profile(base or _guess_base(str(dev.device_kind)))
+    cal = fit_trace(trace, compiled_module_for(tgt), profile_base)
+    profile = trace_calibrated_profile(profile_base, cal, name=f"{profile_base.name}-calibrated")
+    link = link_error = None
+    try:
+        link = measure_link()
+        profile = calibrated_profile(profile, link)
+    except Exception as err:  # report and go on: the compute fit does not need it
+        link_error = f"{type(err).__name__}: {err}"
+    write_profile(profile, out / "calibrated.toml")
+    return {
+        "device": f"{dev.device_kind} ({dev.platform})", "memory_stats": dev.memory_stats() is not None,
+        "op_events": len(trace.ops), "module_runs": len(trace.runs), "copies": len(trace.transfers),
+        "matched_events": cal.matched_events, "unmatched_ops": list(cal.unmatched_ops)[:20],
+        "step_wall_s": list(cal.step_wall_s), "step_op_s": list(cal.step_op_s),
+        "fits": [{"op_class": x.op_class, "events": x.events, "flops_per_s": x.achieved_flops_per_s,
+                  "efficiency": x.efficiency} for x in cal.fits],
+        "trace_link": {"d2h_bytes_per_s": cal.d2h_bytes_per_s, "h2d_bytes_per_s": cal.h2d_bytes_per_s},
+        "timed_link": None if link is None else {"d2h_bytes_per_s": link.d2h.bytes_per_s,
+                                                 "h2d_bytes_per_s": link.h2d.bytes_per_s},
+        "link_error": link_error,
+        "sourced_link": {"d2h_bytes_per_s": profile_base.d2h_bytes_per_s,
+                         "h2d_bytes_per_s": profile_base.h2d_bytes_per_s},
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
 
 
 def main() -> int:
@@ -39,52 +96,28 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    import jax
+    from hloopt.devices import load_profile
+    from hloopt.measure import measure
 
-    import hloopt.lowering  # noqa: F401  (before jax)
-    from hloopt.calibrate import compiled_module_for, fit_trace, measure_link, trace_calibrated_profile
-    from hloopt.cli.calibrate_cmd import _guess_base
-    from hloopt.devices import load_profile, write_profile
-    from hloopt.measure import materialize, measure
-    from hloopt.profile_trace import read_trace
-    from hloopt.targets import resolve
-
-    dev = jax.devices()[0]
-    print(f"device: {dev.device_kind} ({dev.platform}); memory_stats: {dev.memory_stats() is not None}")
     target = f"{ROOT / 'fixtures' / 'zoo' / a.model}.py:{a.size}"
-    tgt = resolve(target)
-    args = materialize(tuple(tgt.args))
-    f = jax.jit(tgt.step_fn)
-    jax.block_until_ready(f(*args))
-    with jax.profiler.trace(str(out / "trace")):
-        for _ in range(a.steps):
-            jax.block_until_ready(f(*args))
-    trace = read_trace(out / "trace")
-    print(f"trace: {trace.path.name}: {len(trace.ops)} op events, {len(trace.runs)} module runs, "
-          f"{len(trace.transfers)} copies")
-    base = load_profile(a.base or _guess_base(str(dev.device_kind)))
-    cal = fit_trace(trace, compiled_module_for(tgt), base)
-    print(f"matched {cal.matched_events} op events; not in the module: {list(cal.unmatched_ops)[:10]}")
-    for wall, ops in zip(cal.step_wall_s, cal.step_op_s):
+    r = record_and_fit(target, out, base=a.base, steps=a.steps)
+    print(f"device: {r['device']}; memory_stats: {r['memory_stats']}")
+    print(f"trace: {r['op_events']} op events, {r['module_runs']} module runs, {r['copies']} copies")
+    print(f"matched {r['matched_events']} op events; not in the module: {r['unmatched_ops'][:10]}")
+    for wall, ops in zip(r["step_wall_s"], r["step_op_s"]):
         print(f"  run wall {wall * 1e3:.3f} ms, ops inside {ops * 1e3:.3f} ms ({ops / wall:.0%})")
-    for fit in cal.fits:
-        print(f"  {fit.op_class:<14} {fit.events:>5} events  {fit.achieved_flops_per_s:.3g} FLOP/s  "
-              f"efficiency {fit.efficiency:.3g}")
-    profile = trace_calibrated_profile(base, cal, name=f"{base.name}-calibrated")
-    try:
-        link = measure_link()
-        print(f"link (copies timed): D2H {link.d2h.bytes_per_s:.3g} B/s, H2D {link.h2d.bytes_per_s:.3g} B/s; "
-              f"trace: D2H {cal.d2h_bytes_per_s}, H2D {cal.h2d_bytes_per_s}")
-    except Exception as err:  # report and go on: the other checks do not need it
-        print(f"link: {type(err).__name__}: {err}")
-    write_profile(profile, out / "calibrated.toml")
+    for fit in r["fits"]:
+        print(f"  {fit['op_class']:<14} {fit['events']:>5} events  {fit['flops_per_s']:.3g} FLOP/s  "
+              f"efficiency {fit['efficiency']:.3g}")
+    print(f"link (copies timed): {r['timed_link'] or r['link_error']}; trace: {r['trace_link']}")
+    profile = load_profile(str(out / "calibrated.toml"))
     m = measure(target, profile=profile, steps=10, warmup=3)
     (out / "measure.json").write_text(json.dumps(m.to_dict(), indent=2) + "\n")
-    for r in m.rows:
-        meas = r.measured
-        print(f"  {r.name:<34} pred {r.predicted_step_time_s * 1e3:8.3f} ms {r.predicted_peak_bytes:>12} B | "
-              + (f"meas {meas.median_s * 1e3:8.3f} ms peak {r.device_peak_bytes} own={r.device_peak_is_own} "
-                 f"temp {r.compiled_temp_bytes}" if meas else (r.skipped or r.error or "")))
+    for row in m.rows:
+        meas = row.measured
+        print(f"  {row.name:<34} pred {row.predicted_step_time_s * 1e3:8.3f} ms {row.predicted_peak_bytes:>12} B | "
+              + (f"meas {meas.median_s * 1e3:8.3f} ms peak {row.device_peak_bytes} own={row.device_peak_is_own} "
+                 f"temp {row.compiled_temp_bytes}" if meas else (row.skipped or row.error or "")))
     print(f"rank agreement: {m.rank_agreement}; device peak note: {m.device_peak_note}")
     return 0
 

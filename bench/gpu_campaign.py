@@ -5,9 +5,9 @@ For each zoo target at a budget below its all-saved peak (keeping every residual
 1. ``hloopt plan`` with the built-in device profile (``--device h200`` by default);
 2. ``hloopt measure --plan``: the plan and every built-in policy predicted within the budget, run
    on the device (median of ``--steps`` after warm-up), ``peak_bytes_in_use`` per policy;
-3. a ``jax.profiler.trace`` of the step as written, fitted per op class against the profile
-   (:func:`hloopt.calibrate.fit_trace`), the host<->device link timed
-   (:func:`hloopt.calibrate.measure_link`): a calibrated profile that cites both;
+3. a ``jax.profiler.trace`` of the step as written (without XLA's command buffers), fitted per op
+   class against the profile and the host<->device link timed (``record_and_fit`` of
+   ``bench/accelerator_check.py``): a calibrated profile that cites both;
 4. ``hloopt plan`` again with the calibrated profile, and ``hloopt measure`` again.
 
 Each plan and measurement runs in its own process (a device's peak memory reading is
@@ -68,62 +68,15 @@ def versions(env: dict[str, str]) -> dict[str, Any]:
     return info
 
 
-CALIBRATE = r'''
+#: steps 1-4 of bench/accelerator_check.py (trace, fit, link, calibrated profile), in a process of
+#: its own; prints what it found as one JSON line
+CALIBRATE = """
 import json, sys
 from pathlib import Path
-import hloopt.lowering  # noqa: F401  (before jax)
-import jax
-from hloopt.calibrate import compiled_module_for, fit_trace, measure_link, trace_calibrated_profile
-from hloopt.devices import load_profile, write_profile
-from hloopt.measure import materialize
-from hloopt.profile_trace import read_trace
-from hloopt.targets import resolve
-
-target, base_name, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-tgt = resolve(target)
-args = materialize(tuple(tgt.args))
-f = jax.jit(tgt.step_fn)
-jax.block_until_ready(f(*args))
-with jax.profiler.trace(str(out / "trace")):
-    for _ in range(5):
-        jax.block_until_ready(f(*args))
-trace = read_trace(out / "trace")
-from collections import Counter
-from hloopt.profile_trace import find_trace_file
-import gzip as _gz
-_ev = json.loads(_gz.open(find_trace_file(out / "trace"), "rt").read())["traceEvents"]
-_names = {(e.get("pid"), e.get("tid")): e["args"].get("name") for e in _ev
-          if e.get("ph") == "M" and e.get("name") == "thread_name"}
-_lines = Counter(_names.get((e.get("pid"), e.get("tid")), "?") for e in _ev if e.get("ph") == "X")
-_samples = {}
-for e in _ev:
-    if e.get("ph") == "X":
-        _samples.setdefault(_names.get((e.get("pid"), e.get("tid")), "?"), []).append(e.get("name"))
-lines = {k: {"events": v, "first": _samples[k][:4]} for k, v in _lines.most_common(12)}
-base = load_profile(base_name)
-cal = fit_trace(trace, compiled_module_for(tgt), base)
-link = None
-try:
-    link = measure_link()
-except Exception as err:  # the compute fit stands without it
-    print(f"link: {type(err).__name__}: {err}")
-profile = trace_calibrated_profile(base, cal, name=f"{base.name}-calibrated")
-if link is not None:
-    from hloopt.calibrate import calibrated_profile
-    profile = calibrated_profile(profile, link)
-write_profile(profile, out / "calibrated.toml")
-print(json.dumps({
-    "matched_events": cal.matched_events, "unmatched_ops": list(cal.unmatched_ops)[:20],
-    "step_wall_s": list(cal.step_wall_s), "step_op_s": list(cal.step_op_s),
-    "fits": [{"op_class": x.op_class, "events": x.events, "flops_per_s": x.achieved_flops_per_s,
-              "efficiency": x.efficiency} for x in cal.fits],
-    "trace_link": {"d2h_bytes_per_s": cal.d2h_bytes_per_s, "h2d_bytes_per_s": cal.h2d_bytes_per_s},
-    "timed_link": None if link is None else {"d2h_bytes_per_s": link.d2h.bytes_per_s,
-                                             "h2d_bytes_per_s": link.h2d.bytes_per_s},
-    "sourced_link": {"d2h_bytes_per_s": base.d2h_bytes_per_s, "h2d_bytes_per_s": base.h2d_bytes_per_s},
-    "trace_lines": lines, "xla_flags": __import__("os").environ.get("XLA_FLAGS", ""),
-}))
-'''
+sys.path.insert(0, sys.argv[4])
+from accelerator_check import record_and_fit
+print(json.dumps(record_and_fit(sys.argv[1], Path(sys.argv[3]), base=sys.argv[2])))
+"""
 
 
 def main() -> int:
@@ -164,7 +117,8 @@ def main() -> int:
                     # profiler then times the buffers, not the ops: the trace is recorded without
                     cal_env = dict(env)
                     cal_env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-                    rc, text = sh([sys.executable, "-c", CALIBRATE, target, a.device, str(work)], log, cal_env, 300)
+                    rc, text = sh([sys.executable, "-c", CALIBRATE, target, a.device, str(work),
+                                   str(ROOT / "bench")], log, cal_env, 300)
                     r["calibration"] = {"rc": rc}
                     if rc == 0:
                         r["calibration"].update(json.loads(text.strip().splitlines()[-1]))
