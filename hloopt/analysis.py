@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from hloopt.errors import UserError
-from hloopt.ir import Instruction, Module
+from hloopt.ir import Instruction, Module, gc_paused
 from hloopt.passes import AnalysisManager
 from hloopt.passes.liveness import Liveness
 from hloopt.passes.memory import MemoryProfile, PeakMemory
@@ -180,6 +180,7 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
             "code_bytes": code_bytes, **plain}
 
 
+@gc_paused()  # builds millions of long-lived objects (hloopt.ir.gc_paused)
 def profile_module(module: Module, *, platform: str | None = None, schedule: str | None = None,
                    code_bytes: int = 0, top: int = 10, on_chip_bytes: int | None = None,
                    off_device: frozenset[str] = frozenset(), prefetch_at_offload: bool | None = None,

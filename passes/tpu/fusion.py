@@ -15,6 +15,10 @@ buffer takes: the :class:`FusionPlan` generic liveness takes
   when it feeds loop state, a tuple or the root (XLA writes the last fused op there), unless it is
   a scalar or a constant, and when one of its readers is a select-and-scatter (the max-pool
   gradient), into which nothing fuses: XLA fuses a producer into all its readers or none.
+  A fusion reads a bounded number of buffers (:func:`cap_fusion_inputs`): a chain of cheap ops
+  over more than :data:`MAX_FUSION_INPUTS` materialized values (an optimizer's global gradient
+  norm, a sum of squares over every parameter leaf) is computed once into a buffer of its own,
+  not into each of its readers.
   Reductions, dots, convolutions, gathers/scatters, dynamic-(update-)slices, sorts, loops and
   calls are fusion roots: they hold their result.
 * **Model inputs copied for convolutions** (:func:`convolution_input_copies`): a convolution reads
@@ -83,6 +87,41 @@ _NOT_FUSION_CONSUMERS = frozenset({"select-and-scatter"})
 
 #: readers through which a value becomes loop state or a tuple element (with the root: stays materialized)
 _STATE_READERS = CONTROL_FLOW | {"tuple", "parameter"}
+
+
+#: the most materialized values one fused computation reads. XLA bounds a fusion's operands (its
+#: GPU backend at 96, ``kMaxOperandsAndOutputsPerFusion``; libtpu's bound is not published): a
+#: fused chain reading more is materialized where the bound is reached. Real steps reach it only
+#: in reductions over every parameter leaf (the global norm of ``clip_by_global_norm``), whose
+#: value is a scalar, so the bytes it moves are nil; without it every reader of such a scalar
+#: would read all the leaves, which no fusion does, and the schedule's work grows as leaves x
+#: readers.
+MAX_FUSION_INPUTS = 96
+
+
+def cap_fusion_inputs(module: Module, fused: set[Instruction]) -> set[Instruction]:
+    """The members of ``fused`` that would read more than :data:`MAX_FUSION_INPUTS` materialized
+    values if computed inside their readers (through chains of fused operands): libtpu gives
+    them a buffer. Linear in the module: a read set stops growing at the bound."""
+    over: set[Instruction] = set()
+    for comp in module.computations.values():
+        reads: dict[Instruction, set[Instruction]] = {}
+        for inst in comp.instructions:  # operands come first in the text
+            if inst not in fused:
+                continue
+            acc: set[Instruction] = set()
+            for o in inst.operands:
+                if o in reads:
+                    acc |= reads[o]
+                else:
+                    acc.add(o)
+                if len(acc) > MAX_FUSION_INPUTS:
+                    break
+            if len(acc) > MAX_FUSION_INPUTS:
+                over.add(inst)
+            else:
+                reads[inst] = acc
+    return over
 
 
 def fused_instructions(module: Module) -> set[Instruction]:
@@ -305,10 +344,11 @@ class TpuFusion(Analysis[FusionPlan]):
         fused -= layout_boundaries(module, fused)
         copies = convolution_input_copies(module)
         fused -= copies.keys()
+        fused -= cap_fusion_inputs(module, fused)
         narrowed = bf16_stored(module, fused) | (bf16_stacks(module) if self.narrow_stacks else set())
         return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
                           frozenset(narrowed), copies)
 
 
-__all__ = ["FusionPlan", "TpuFusion", "convolution_input_copies", "fused_instructions", "is_one_hot_scatter",
+__all__ = ["MAX_FUSION_INPUTS", "FusionPlan", "TpuFusion", "cap_fusion_inputs", "convolution_input_copies", "fused_instructions", "is_one_hot_scatter",
            "layout_boundaries"]

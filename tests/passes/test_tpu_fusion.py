@@ -1,0 +1,58 @@
+"""The TPU fusion model's bound on what one fusion reads (``passes/tpu/fusion.py``), on
+hand-written modules whose answer is counted by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from hloopt.hlo.parser import parse_module
+from hloopt.passes import AnalysisManager
+from hloopt.passes.schedule import list_schedule
+from hloopt.passes.tpu import TpuFusion
+from hloopt.passes.tpu.fusion import MAX_FUSION_INPUTS, cap_fusion_inputs, fused_instructions
+
+
+def global_norm_step(leaves: int) -> str:
+    """``clip_by_global_norm``'s shape: every leaf reduced to a scalar, the scalars summed by a
+    chain of adds (``add.1`` reads two reductions, ``add.k`` the chain and one more), and every
+    leaf scaled by the total."""
+    lines = ["HloModule norm", "", "sum {", "  a = f32[] parameter(0)", "  b = f32[] parameter(1)",
+             "  ROOT s = f32[] add(a, b)", "}", "", "ENTRY main {", "  zero = f32[] constant(0)"]
+    for k in range(leaves):
+        lines.append(f"  p.{k} = f32[8,128] parameter({k})")
+        lines.append(f"  r.{k} = f32[] reduce(p.{k}, zero), dimensions={{0,1}}, to_apply=sum")
+    prev = "r.0"
+    for k in range(1, leaves):
+        lines.append(f"  add.{k} = f32[] add({prev}, r.{k})")
+        prev = f"add.{k}"
+    outs = []
+    for k in range(leaves):
+        lines.append(f"  b.{k} = f32[8,128] broadcast({prev}), dimensions={{}}")
+        lines.append(f"  m.{k} = f32[8,128] multiply(p.{k}, b.{k})")
+        outs.append(f"m.{k}")
+    lines.append(f"  ROOT t = ({', '.join(['f32[8,128]'] * leaves)}) tuple({', '.join(outs)})")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_chain_within_the_bound_fuses_whole() -> None:
+    # MAX_FUSION_INPUTS leaves: the last add reads all of them, exactly the bound
+    mod = parse_module(global_norm_step(MAX_FUSION_INPUTS))
+    fused = fused_instructions(mod)
+    assert {f"add.{k}" for k in range(1, MAX_FUSION_INPUTS)} <= {i.name for i in fused}
+    assert cap_fusion_inputs(mod, fused) == set()
+
+
+@pytest.mark.parametrize("leaves", [MAX_FUSION_INPUTS + 1, 2 * MAX_FUSION_INPUTS + 5])
+def test_a_chain_over_the_bound_is_materialized_where_it_reaches_it(leaves: int) -> None:
+    # add.k reads k + 1 reductions, so add.MAX is the first over the bound; materialized, it is
+    # one read of the adds after it, which reach the bound again MAX - 1 adds later
+    mod = parse_module(global_norm_step(leaves))
+    over = {i.name for i in cap_fusion_inputs(mod, fused_instructions(mod))}
+    expected = {f"add.{k}" for k in range(MAX_FUSION_INPUTS, leaves, MAX_FUSION_INPUTS)}
+    assert over == expected
+    plan = TpuFusion().run(mod, AnalysisManager(mod))
+    assert {i.name for i in plan.fused} & expected == set()
+    # so no materialized instruction reads more than the bound through fused chains, and the
+    # list schedule still orders every instruction
+    assert len(list_schedule(mod.entry, plan.fused)) == len(mod.entry.instructions)
