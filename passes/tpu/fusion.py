@@ -350,5 +350,5 @@ class TpuFusion(Analysis[FusionPlan]):
                           frozenset(narrowed), copies)
 
 
-__all__ = ["MAX_FUSION_INPUTS", "FusionPlan", "TpuFusion", "cap_fusion_inputs", "convolution_input_copies", "fused_instructions", "is_one_hot_scatter",
-           "layout_boundaries"]
+__all__ = ["MAX_FUSION_INPUTS", "FusionPlan", "TpuFusion", "cap_fusion_inputs", "convolution_input_copies",
+           "fused_instructions", "is_one_hot_scatter", "layout_boundaries"]
