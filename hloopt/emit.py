@@ -169,6 +169,8 @@ def remat3_limits(plan: Plan) -> str | None:
     primitive rather than its checkpoint_name, cannot be expressed there."""
     offloads = plan.of("offload")
     by_primitive = [d for d in plan.decisions if d.selector.kind == "primitive" and d.action == "device"]
+    if plan.builtin in ("dots_saveable", "dots_with_no_batch_dims_saveable") and not by_primitive:
+        by_primitive = [d for d in plan.decisions if d.action == "device"]
     if not offloads and not by_primitive:
         return None
     parts = []
@@ -189,6 +191,10 @@ def policy(plan: Plan | str | os.PathLike[str]) -> Callable[..., Any]:
     from hloopt.policy_override import remat3_enabled
 
     plan = load_plan(plan)
+    if plan.builtin is not None and not (remat3_enabled() and remat3_limits(plan) is None):
+        import jax
+
+        return getattr(jax.checkpoint_policies, plan.builtin)
     if remat3_enabled() and remat3_limits(plan) is None:
         import jax
 
@@ -274,6 +280,16 @@ def python_snippet(plan: Plan | str | os.PathLike[str]) -> str:
     if limits:
         lines.append(f"# WARNING: {limits}")
     lines.append("")
+    if plan.builtin is not None:
+        lines += [
+            "import jax",
+            "",
+            "# JAX's own policy: it fits the budget with fewer FLOPs than the rules hloopt searched;",
+            "# the decisions above are what it does to each residual",
+            f"policy = jax.checkpoint_policies.{plan.builtin}",
+            "",
+        ]
+        return "\n".join(lines)
     if plan.by_name_only:
         lines += [
             "import jax",

@@ -10,8 +10,13 @@ a frozen dataclass tree with one JSON form:
                     "source", "values"}, ...],
      "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null,
      "state": [{"group", "placement", "bytes", "reason", "role"}, ...], "host_budget_bytes": N,
-     "host_peak_bytes": N}
+     "host_peak_bytes": N, "builtin": "dots_saveable"}
                                             (the last two only when argument groups were planned)
+
+``builtin`` (only where set): the plan is that JAX built-in policy (one of
+:data:`BUILTIN_POLICIES`, ``jax.checkpoint_policies.<builtin>``), chosen because it fits the
+budget with fewer FLOPs than the searched rules (:func:`hloopt.pipeline.plan`); its decisions
+say what it does to each residual, and the policy emitted is the built-in itself.
 
 Algorithm: :meth:`Plan.to_json` writes keys sorted, floats rounded to :data:`FLOAT_DIGITS`
 significant digits, decisions in the order given and no timestamps or timings (the solver's
@@ -52,6 +57,8 @@ SCHEMA = f"{SCHEMA_PREFIX}{SCHEMA_VERSION}"
 ACTIONS: tuple[str, ...] = ("device", "offload", "remat")
 MODES: tuple[str, ...] = ("budget", "max-slowdown", "pareto")
 SELECTOR_KINDS: tuple[str, ...] = ("name", "primitive")
+#: JAX built-in policies a plan can be (``Plan.builtin``): those that move nothing to host memory
+BUILTIN_POLICIES: tuple[str, ...] = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
 #: Significant digits floats are written with: enough for nanoseconds in an hour-long step.
 FLOAT_DIGITS = 12
 
@@ -232,6 +239,8 @@ class Plan:
     host_budget_bytes: int | None = None
     #: the most host memory the plan holds at once (the simulator's host timeline), when state was planned
     host_peak_bytes: int | None = None
+    #: the JAX built-in policy the plan is (module docstring), or None: its decisions' rules
+    builtin: str | None = None
 
     @property
     def host_groups(self) -> list[str]:
@@ -289,6 +298,7 @@ class Plan:
             **({"state": [s.to_dict() for s in self.state], "host_budget_bytes": self.host_budget_bytes,
                 "host_peak_bytes": self.host_peak_bytes}
                if self.state else {}),
+            **({"builtin": self.builtin} if self.builtin else {}),
         }
 
     def to_json(self) -> str:
@@ -539,7 +549,8 @@ def _parse_plan(data: Any, origin: str) -> Plan:
         return Plan(target=r.str("target"), module=r.str("module"), device=device, budget=budget,
                     mode=r.one_of("mode", MODES), decisions=tuple(decisions), predicted=predicted,
                     bounds=bounds, solver=solver, pareto=pareto, schema=SCHEMA, state=tuple(state),
-                    host_budget_bytes=host_budget, host_peak_bytes=host_peak)
+                    host_budget_bytes=host_budget, host_peak_bytes=host_peak,
+                    builtin=r.one_of("builtin", BUILTIN_POLICIES) if "builtin" in r.obj else None)
     except UserError as err:
         raise UserError(str(err).replace("<plan>", origin, 1)) from None
 
@@ -547,6 +558,12 @@ def _parse_plan(data: Any, origin: str) -> Plan:
 def _check_semantics(plan: Plan, origin: str) -> None:
     if plan.mode not in MODES:
         raise UserError(f"{origin}: mode: expected one of {', '.join(MODES)}, got {plan.mode!r}")
+    if plan.builtin is not None:
+        if plan.builtin not in BUILTIN_POLICIES:
+            raise UserError(f"{origin}: builtin: expected one of {', '.join(BUILTIN_POLICIES)}, got {plan.builtin!r}")
+        if plan.of("offload"):
+            raise UserError(f"{origin}: builtin: {plan.builtin} offloads nothing, but decisions offload "
+                            f"{plan.of('offload')[0].key!r}")
     seen: dict[str, int] = {}
     name_action: dict[str, tuple[str, int]] = {}
     for i, d in enumerate(plan.decisions):

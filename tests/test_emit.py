@@ -82,6 +82,13 @@ def test_name_only_plan_is_jaxs_own_policy_and_the_snippet_matches() -> None:
     assert kind(pol(DOT_P, a, b, **params)) == kind(snip(DOT_P, a, b, **params)) == "remat"
 
 
+@pytest.mark.parametrize("name", ["dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable"])
+def test_a_builtin_plan_is_jaxs_own_policy_and_the_snippet_names_it(name: str) -> None:
+    plan = make_plan((named("context", "device"), named("query_proj", "remat")), builtin=name)
+    assert hloopt.policy(plan) is getattr(jax.checkpoint_policies, name)
+    assert run_snippet(emit.python_snippet(plan)) is getattr(jax.checkpoint_policies, name)
+
+
 def test_policy_accepts_a_plan_file(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     QK.save(path)

@@ -52,6 +52,14 @@ def test_round_trip_and_fixed_point(tmp_path: Path) -> None:
     assert Plan.load(path).to_json() == text
 
 
+def test_a_builtin_plan_round_trips_and_plans_without_one_keep_their_bytes() -> None:
+    plan = make_plan((named("context", "device"), named("query_proj", "remat")), builtin="dots_saveable")
+    text = plan.to_json()
+    assert json.loads(text)["builtin"] == "dots_saveable"
+    assert Plan.loads(text) == plan
+    assert "builtin" not in json.loads(PLAN.to_json())
+
+
 def test_text_is_deterministic_sorted_and_rounded() -> None:
     plan = make_plan(predicted=Predicted(peak_bytes=1, step_time_s=0.1 + 0.2, exposed_transfer_s=1 / 3,
                                          baseline_peak_bytes=1, baseline_step_time_s=0.0))
@@ -135,6 +143,11 @@ def _mutated(**changes: object) -> str:
     (_mutated(decisions__1__key="name:query_proj"), "decisions[1].key: 'name:query_proj' repeats decisions[0]"),
     (_mutated(decisions__1__selector={"kind": "name", "name": "query_proj"}),
      "decisions[1]: checkpoint_name 'query_proj' is both offload (decisions[0]) and device"),
+    (_mutated(builtin="checkpoint_dots"),
+     "builtin: expected one of dots_saveable, dots_with_no_batch_dims_saveable, nothing_saveable, "
+     "got 'checkpoint_dots'"),
+    (_mutated(builtin="dots_saveable"),
+     "builtin: dots_saveable offloads nothing, but decisions offload 'name:query_proj'"),
 ])
 def test_bad_files_are_one_line_errors(tmp_path: Path, content: str | bytes, message: str) -> None:
     got = _bad(tmp_path, content)

@@ -232,6 +232,8 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
             console.print(f"note: the plan ({format_bytes(planned)}) needs more memory than the step as written; "  # type: ignore[attr-defined]
                           f"--budget {format_bytes(written).replace(' ', '')} or lower plans one that needs no more",
                           markup=False, highlight=False)
+    if o.choice_note:  # type: ignore[attr-defined]
+        console.print(f"note: {o.choice_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
     if o.settle_note:  # type: ignore[attr-defined]
         console.print(f"warning: {o.settle_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
     hint = o.unmovable_line()  # type: ignore[attr-defined]
