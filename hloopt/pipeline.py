@@ -831,8 +831,11 @@ class PlanOutcome:
     imports: frozenset[str] = frozenset()
     #: set when the memory model puts the planned step over the budget (_settle_on_the_model)
     settle_note: str | None = None
-    #: set when a built-in policy's rules replaced the searched plan (_fewer_flops_builtin)
+    #: set when a built-in policy replaced the searched plan (_fewer_flops_builtin)
     choice_note: str | None = None
+    #: (policy, the memory model's peak of the step lowered with it, its FLOPs as lowered), for
+    #: the searched rules and each built-in :func:`_fewer_flops_builtin` compared them with
+    lowered_rows: list[tuple[str, int, float]] = field(default_factory=list)
     #: the budget the replay searched under, where it differs from the user's: the replay put
     #: the budget below its least peak and the memory model did not (_model_shifted_budget); the
     #: policies in the table are judged against it, as the plan was
@@ -1259,9 +1262,10 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, platform=platform,
                 solver=solver, time_limit_s=time_limit_s, aim=aim)
     choice_note = None
+    lowered_rows: list[tuple[str, int, float]] = []
     if not hosted and on_the_model:
         with progress("comparing built-in policies on the memory model (re-lowering with each)"):
-            plan_obj, decisions, result, choice_note = _fewer_flops_builtin(
+            plan_obj, decisions, result, choice_note, lowered_rows = _fewer_flops_builtin(
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, profile, platform=platform,
                 over=settle_note is not None)
         if choice_note is not None:
@@ -1273,6 +1277,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written,
                        imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
                        time_limit_s=time_limit_s, settle_note=settle_note, choice_note=choice_note,
+                       lowered_rows=lowered_rows,
                        aim_bytes=aim if aim != budget_bytes else None,
                        target=tgt if compile is None else None, platform=platform)
 
@@ -1423,7 +1428,8 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
 def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,
                          budget_bytes: int | None, build: Callable[[Problem, Decisions, SimResult], Any],
                          profile: DeviceProfile, *, platform: str | None,
-                         over: bool = False) -> tuple[Any, Decisions, SimResult, str | None]:
+                         over: bool = False) -> tuple[Any, Decisions, SimResult, str | None,
+                                                      list[tuple[str, int, float]]]:
     """The searched plan, or a JAX built-in policy that fits the budget on the memory model with
     fewer FLOPs and moves nothing to host memory (``Plan.builtin``).
 
@@ -1454,7 +1460,7 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     from hloopt.simulator import simulate
 
     if budget_bytes is None or plan_obj.state:
-        return plan_obj, decisions, result, None
+        return plan_obj, decisions, result, None, []
 
     def counted(p: Any, label: str) -> tuple[int, float]:
         module = parse_module(lower(tgt, platform=platform or "tpu", policy=policy(p)).hlo_text,
@@ -1463,7 +1469,8 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         inlined = inline_for_assignment(module)
         return peak, float(CostAnalysis(profile=profile).run(inlined, AnalysisManager(inlined)).totals.flops)
 
-    _, plan_flops = counted(plan_obj, "planned")
+    plan_peak, plan_flops = counted(plan_obj, "planned")
+    rows = [("hloopt's searched rules", plan_peak, plan_flops)]
     best = None
     for anchor in ANCHORS:
         if anchor.kind != "jax" or anchor.name not in BUILTIN_POLICIES:
@@ -1477,10 +1484,11 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
             else dc.replace(d, reason=f"{anchor.code} {verb.get(d.action, d.action)} it")
             for d in alt.decisions))
         peak, flops = counted(alt, anchor.name)
+        rows.append((anchor.code, peak, flops))
         if peak <= budget_bytes and (over or flops < plan_flops * (1 - 1e-3)) and (best is None or flops < best[1]):
             best = (anchor, flops, peak, alt, acts, res)
     if best is None:
-        return plan_obj, decisions, result, None
+        return plan_obj, decisions, result, None, rows
     anchor, flops, peak, alt, acts, res = best
     alt = dc.replace(alt, predicted=dc.replace(alt.predicted, peak_bytes=peak, model_peak_bytes=peak,
                                                replay_peak_bytes=res.peak_bytes))
@@ -1488,7 +1496,7 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
             f"where the rules hloopt searched need {plan_flops / 1e9:.4g}"
             + (" and are over the budget" if over else "") + " (their roofline charges element-wise ops the "
             "memory traffic XLA's fusion removes)")
-    return alt, acts, res, note
+    return alt, acts, res, note, rows
 
 
 def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:

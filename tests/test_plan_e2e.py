@@ -218,8 +218,9 @@ def test_compiled_peak_fits_and_matches_the_prediction(model: str) -> None:
 def test_offloads_outside_a_loop_say_libtpu_copies_them_back() -> None:
     """On a TPU profile, an offload of a value outside a loop (gpt2's unrolled layers) carries the
     warning that libtpu copies it back right after offloading it (passes/memory.py); a scan's
-    stacked residuals (llama small at the README's 75% budget) stay on the host until their layer
-    and carry none."""
+    stacked residuals (llama small at docs/zoo-example.md's 65% budget; at 75% the plan is
+    ``dots_with_no_batch_dims_saveable``, which fits with fewer FLOPs) stay on the host until their
+    layer and carry none."""
     from hloopt import pipeline
     from hloopt.problem import Action
 
@@ -230,6 +231,6 @@ def test_offloads_outside_a_loop_say_libtpu_copies_them_back() -> None:
     assert gpt2 and all("libtpu copies it back right away" in pipeline._reason(c, Action.OFFLOAD, o.problem)
                         for c in gpt2)
 
-    small = pipeline.plan("fixtures/zoo/llama.py:small", profile=PROFILE, budget="75%").plan  # the README's
+    small = pipeline.plan("fixtures/zoo/llama.py:small", profile=PROFILE, budget="65%").plan  # zoo-example.md's
     llama = [d for d in small.decisions if d.action == "offload"]
     assert llama and not any("libtpu" in d.reason for d in llama)

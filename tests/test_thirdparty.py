@@ -56,6 +56,21 @@ TINY_MISSES: dict[str, str] = {
     "hf_whisper": "-12.2%: 1-D convolutions over the mel frames (the encoder's front end) under remat",
 }
 
+#: the same at size small (``python bench/thirdparty.py``, libtpu 0.0.42.1, jax 0.10.2,
+#: 2026-12-04), for the steps whose small compile takes under a minute on 2 cores (BERT's takes
+#: 68 s, Whisper's 137 s: fixtures/thirdparty/README.md)
+SMALL_ERROR: dict[str, float] = {
+    "hf_gpt2": +0.014, "hf_resnet": -0.070, "levanter_llama": -0.069, "levanter_gpt2": -0.011,
+}
+
+SMALL_MISSES: dict[str, str] = {
+    "hf_resnet": "-7.0%: convolutions over a batch of 64 at 128 x 128 with batch norm, whose activations libtpu "
+                 "lays out otherwise than modeled (-1.4% at size tiny)",
+    "levanter_llama": "-6.9%: an attention-mask broadcast made once and kept from the forward scan over layers "
+                      "to the backward one (64 MiB), which the model packs into VMEM where libtpu keeps it in "
+                      "HBM (-0.2% at size tiny)",
+}
+
 
 def load(step: str) -> Any:
     lib = pytest.importorskip(LIBRARY[step])
@@ -245,6 +260,36 @@ def test_prediction_vs_libtpu(step: str) -> None:
     err = predicted / real - 1
     # within the measured error and 2 points more, never over 5%; a miss (strict xfail) is held to 5%
     bound = 0.05 if step in TINY_MISSES else min(abs(TINY_ERROR[step]) + 0.02, 0.05)
+    assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
+
+
+def _small_params() -> list[Any]:
+    out = []
+    for step in SMALL_ERROR:
+        marks = [pytest.mark.slow, pytest.mark.tpu]
+        if step in SMALL_MISSES:
+            marks.append(pytest.mark.xfail(strict=True, reason=SMALL_MISSES[step]))
+        out.append(pytest.param(step, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("step", _small_params())
+def test_prediction_vs_libtpu_at_size_small(step: str) -> None:
+    """As :func:`test_prediction_vs_libtpu`, at size small (layers of 512, batch 8 x 512), where
+    the steps outgrow libtpu's VMEM heap: within the measured error and 2 points more, never over
+    5%; the misses (:data:`SMALL_MISSES`) are strict xfails held to 5%."""
+    from hloopt.analysis import analyze
+    from hloopt.hlo.parser import parse_module
+
+    if not lowering.has_libtpu():
+        pytest.skip("needs libtpu (pip install 'hloopt[tpu]')")
+    fn, args = load(step).make("small")
+    predicted = analyze(parse_module(lowering.lower(fn, *args, platform="tpu").hlo_text), platform="tpu").peak_bytes
+    low = lowering.lower(fn, *args, platform="tpu", compile="tpu-v5e")
+    assert low.memory is not None
+    real = low.memory["peak_memory_in_bytes"]
+    err = predicted / real - 1
+    bound = 0.05 if step in SMALL_MISSES else min(abs(SMALL_ERROR[step]) + 0.02, 0.05)
     assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
 
 

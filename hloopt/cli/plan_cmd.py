@@ -209,6 +209,16 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
         fits = "" if judged is None else (" (fits)" if a.peak_bytes <= judged else " (over)")
         s.add_row(f"{a.kind}: {a.name}", format_bytes(a.peak_bytes) + fits, format_seconds(a.step_time_s), "")
     console.print(s)  # type: ignore[attr-defined]
+    if o.lowered_rows:  # type: ignore[attr-defined]
+        m = Table(title="Lowered with each policy (the memory model's peak; FLOPs as lowered)", title_justify="left")
+        for col in ("policy", "peak", "GFLOP"):
+            m.add_column(col, justify="left" if col == "policy" else "right")
+        chosen = f"jax.checkpoint_policies.{p.builtin}" if p.builtin else "hloopt's searched rules"
+        for name, peak, flops in o.lowered_rows:  # type: ignore[attr-defined]
+            fits = "" if budget is None else (" (fits)" if peak <= budget else " (over)")
+            m.add_row(f"[bold]{name}[/bold] (the plan)" if name == chosen else name, format_bytes(peak) + fits,
+                      f"{flops / 1e9:.4g}")
+        console.print(m)  # type: ignore[attr-defined]
     b = p.bounds
     line = (f"budget {format_bytes(budget)}; " if budget is not None else "") + \
         f"least peak any policy reaches {format_bytes(b.least_peak_bytes)}; " \
