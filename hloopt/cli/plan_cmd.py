@@ -193,7 +193,8 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
                   "device", "")
     console.print(t)  # type: ignore[attr-defined]
     pr = p.predicted
-    s = Table(title="Replayed by the search (one linear count of the all-saved step judges every row)", title_justify="left")
+    s = Table(title="Replayed by the search (one linear count of the all-saved step judges every row)",
+              title_justify="left")
     for col in ("policy", "peak", "step time", "exposed transfer"):
         s.add_column(col, justify="left" if col == "policy" else "right")
     budget = p.budget.bytes if p.budget else None
