@@ -235,62 +235,43 @@ def test_plan_selects_levanter_carry_by_name_and_its_policy_moves_it(tmp_path: A
 
 # -- against libtpu ----------------------------------------------------------------------------
 
-def _tiny_params() -> list[Any]:
+def _prediction_params(errors: dict[str, float], misses: dict[str, str]) -> list[Any]:
     out = []
-    for step in LIBRARY:
+    for step in errors:
         marks = [pytest.mark.slow, pytest.mark.tpu]
-        if step in TINY_MISSES:
-            marks.append(pytest.mark.xfail(strict=True, reason=TINY_MISSES[step]))
+        if step in misses:
+            marks.append(pytest.mark.xfail(strict=True, reason=misses[step]))
         out.append(pytest.param(step, marks=marks))
     return out
 
 
-@pytest.mark.parametrize("step", _tiny_params())
+def check_prediction(step: str, size: str, errors: dict[str, float], misses: dict[str, str]) -> None:
+    """The pre-optimization TPU prediction of ``step`` at ``size`` vs libtpu's peak: within the
+    measured error and 2 points more, never over 5%; a miss (strict xfail) is held to 5%."""
+    from hloopt.analysis import analyze
+    from hloopt.hlo.parser import parse_module
+
+    if not lowering.has_libtpu():
+        pytest.skip("needs libtpu (pip install 'hloopt[tpu]')")
+    fn, args = load(step).make(size)
+    predicted = analyze(parse_module(lowering.lower(fn, *args, platform="tpu").hlo_text), platform="tpu").peak_bytes
+    low = lowering.lower(fn, *args, platform="tpu", compile="tpu-v5e")
+    assert low.memory is not None
+    real = low.memory["peak_memory_in_bytes"]
+    err = predicted / real - 1
+    bound = 0.05 if step in misses else min(abs(errors[step]) + 0.02, 0.05)
+    assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
+
+
+@pytest.mark.parametrize("step", _prediction_params(TINY_ERROR, TINY_MISSES))
 def test_prediction_vs_libtpu(step: str) -> None:
-    from hloopt.analysis import analyze
-    from hloopt.hlo.parser import parse_module
-
-    if not lowering.has_libtpu():
-        pytest.skip("needs libtpu (pip install 'hloopt[tpu]')")
-    fn, args = load(step).make("tiny")
-    predicted = analyze(parse_module(lowering.lower(fn, *args, platform="tpu").hlo_text), platform="tpu").peak_bytes
-    low = lowering.lower(fn, *args, platform="tpu", compile="tpu-v5e")
-    assert low.memory is not None
-    real = low.memory["peak_memory_in_bytes"]
-    err = predicted / real - 1
-    # within the measured error and 2 points more, never over 5%; a miss (strict xfail) is held to 5%
-    bound = 0.05 if step in TINY_MISSES else min(abs(TINY_ERROR[step]) + 0.02, 0.05)
-    assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
+    check_prediction(step, "tiny", TINY_ERROR, TINY_MISSES)
 
 
-def _small_params() -> list[Any]:
-    out = []
-    for step in SMALL_ERROR:
-        marks = [pytest.mark.slow, pytest.mark.tpu]
-        if step in SMALL_MISSES:
-            marks.append(pytest.mark.xfail(strict=True, reason=SMALL_MISSES[step]))
-        out.append(pytest.param(step, marks=marks))
-    return out
-
-
-@pytest.mark.parametrize("step", _small_params())
+@pytest.mark.parametrize("step", _prediction_params(SMALL_ERROR, SMALL_MISSES))
 def test_prediction_vs_libtpu_at_size_small(step: str) -> None:
-    """As :func:`test_prediction_vs_libtpu`, at size small (layers of 512, batch 8 x 512), where
-    the steps outgrow libtpu's VMEM heap: within the measured error and 2 points more, never over
-    5%; the misses (:data:`SMALL_MISSES`) are strict xfails held to 5%."""
-    from hloopt.analysis import analyze
-    from hloopt.hlo.parser import parse_module
-
-    if not lowering.has_libtpu():
-        pytest.skip("needs libtpu (pip install 'hloopt[tpu]')")
-    fn, args = load(step).make("small")
-    predicted = analyze(parse_module(lowering.lower(fn, *args, platform="tpu").hlo_text), platform="tpu").peak_bytes
-    low = lowering.lower(fn, *args, platform="tpu", compile="tpu-v5e")
-    assert low.memory is not None
-    real = low.memory["peak_memory_in_bytes"]
-    err = predicted / real - 1
-    bound = 0.05 if step in SMALL_MISSES else min(abs(SMALL_ERROR[step]) + 0.02, 0.05)
-    assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
+    """At size small (layers of 512, batch 8 x 512), where the steps outgrow libtpu's VMEM heap."""
+    check_prediction(step, "small", SMALL_ERROR, SMALL_MISSES)
 
 
 #: (step, size, budget) -> the plan and its compiled step: an xfail'ed comparison and the budget
