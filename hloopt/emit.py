@@ -169,15 +169,17 @@ def remat3_limits(plan: Plan) -> str | None:
     primitive rather than its checkpoint_name, cannot be expressed there."""
     offloads = plan.of("offload")
     by_primitive = [d for d in plan.decisions if d.selector.kind == "primitive" and d.action == "device"]
-    if plan.builtin in ("dots_saveable", "dots_with_no_batch_dims_saveable") and not by_primitive:
-        by_primitive = [d for d in plan.decisions if d.action == "device"]
-    if not offloads and not by_primitive:
+    # a built-in other than nothing_saveable saves by primitive whatever its decisions list
+    builtin = plan.builtin is not None and plan.builtin != "nothing_saveable"
+    if not offloads and not by_primitive and not builtin:
         return None
     parts = []
     if offloads:
         parts.append(f"{len(offloads)} offload(s) (remat3 drops offloading)")
     if by_primitive:
         parts.append(f"{len(by_primitive)} value(s) saved by primitive rule (remat3 saves by checkpoint_name only)")
+    elif builtin:
+        parts.append(f"jax.checkpoint_policies.{plan.builtin} (remat3 saves by checkpoint_name only)")
     return ("jax_remat3 is on: this plan needs " + " and ".join(parts) + "; turn it off "
             "(jax.config.update('jax_remat3', False)) or use only its saved names "
             f"(save_only_these_names({', '.join(repr(n) for n in sorted(plan.names('device')))}))")
@@ -191,7 +193,7 @@ def policy(plan: Plan | str | os.PathLike[str]) -> Callable[..., Any]:
     from hloopt.policy_override import remat3_enabled
 
     plan = load_plan(plan)
-    if plan.builtin is not None and not (remat3_enabled() and remat3_limits(plan) is None):
+    if plan.builtin is not None:  # remat3 recomputes everything under one (remat3_limits)
         import jax
 
         return getattr(jax.checkpoint_policies, plan.builtin)

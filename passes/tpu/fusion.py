@@ -116,9 +116,8 @@ def cap_fusion_inputs(module: Module, fused: set[Instruction]) -> set[Instructio
                 else:
                     acc.add(o)
                 if len(acc) > MAX_FUSION_INPUTS:
+                    over.add(inst)
                     break
-            if len(acc) > MAX_FUSION_INPUTS:
-                over.add(inst)
             else:
                 reads[inst] = acc
     return over
