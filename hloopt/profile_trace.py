@@ -17,6 +17,10 @@ What we take from it (names as XLA's profilers write them, jax 0.10.2):
   body's executor nests inside), or events on a thread named ``XLA Modules`` (GPU/TPU). One run
   is one execution of a compiled module: the step's wall time on the device, which the op events
   inside it cannot exceed when they run one after another.
+* **steps**: events whose ``args`` carry ``step_num``, which
+  ``jax.profiler.StepTraceAnnotation(name, step_num=N)`` writes around what the program calls a
+  step. On the CPU backend a step's thunks run on several threads and the executor's events do not
+  span it (with ``lax.scan`` a step is a dozen short runs), so its wall time is read from these.
 * **transfers**: XLA's CUPTI collector names device copies ``MemcpyH2D``/``MemcpyD2H`` with a
   ``memcpy_details`` stat ``"kind_src:... kind_dst:... size:<bytes> dest:... async:..."``
   (xla/backends/profiler/gpu/cupti_collector.cc). The CPU backend writes none.
@@ -86,6 +90,16 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Step:
+    """A ``jax.profiler.StepTraceAnnotation(name, step_num=N)`` event: one step as the program marked it."""
+
+    name: str
+    step_num: str
+    start_us: float
+    dur_us: float
+
+
+@dataclass(frozen=True)
 class Trace:
     """What :func:`read_trace` found in one trace file."""
 
@@ -93,6 +107,8 @@ class Trace:
     ops: tuple[OpEvent, ...]
     runs: tuple[ModuleRun, ...]
     transfers: tuple[Transfer, ...]
+    #: the program's own step markers (StepTraceAnnotation), in time order
+    steps: tuple[Step, ...] = ()
 
 
 def find_trace_file(where: str | Path) -> Path:
@@ -137,6 +153,7 @@ def read_trace(where: str | Path) -> Trace:
     ops: list[OpEvent] = []
     runs: list[ModuleRun] = []
     transfers: list[Transfer] = []
+    steps: list[Step] = []
     for e in events:
         if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e or "dur" not in e:
             continue
@@ -146,6 +163,8 @@ def read_trace(where: str | Path) -> Trace:
         name = str(e.get("name", ""))
         if "hlo_op" in args and "hlo_module" in args:
             ops.append(OpEvent(str(args["hlo_module"]), str(args["hlo_op"]), ts, dur, pid, tid))
+        elif "step_num" in args and dur > 0:
+            steps.append(Step(name, str(args["step_num"]), ts, dur))
         elif name == _MODULE_EVENT:
             runs.append(ModuleRun(ts, dur, pid, tid, device_line=False))
         elif thread_names.get((pid, tid)) == _MODULE_LINE:
@@ -154,7 +173,8 @@ def read_trace(where: str | Path) -> Trace:
             m = _SIZE.search(str(args.get("memcpy_details", "")))
             if m and dur > 0:
                 transfers.append(Transfer(_MEMCPY[name], int(m.group(1)), dur))
-    return Trace(path, tuple(ops), tuple(_outermost(runs)), tuple(transfers))
+    return Trace(path, tuple(ops), tuple(_outermost(runs)), tuple(transfers),
+                 tuple(sorted(steps, key=lambda s: s.start_us)))
 
 
 def _outermost(runs: list[ModuleRun]) -> list[ModuleRun]:
