@@ -17,11 +17,12 @@ from hloopt.calibrate import (
     TraceCalibration,
     calibrated_profile,
     fit_trace,
+    fit_trace_lowered,
     trace_calibrated_profile,
 )
 from hloopt.cli import cli
 from hloopt.devices import load_profile
-from hloopt.profile_trace import OpEvent, Trace, Transfer, leaf_ops, read_trace
+from hloopt.profile_trace import OpEvent, Step, Trace, Transfer, leaf_ops, read_trace
 
 ZOO = Path(__file__).resolve().parent.parent / "fixtures" / "zoo"
 MLP = f"{ZOO / 'mlp.py'}:tiny"
@@ -42,8 +43,9 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     jax.block_until_ready(f(*args))  # compile outside the trace
     where = tmp_path_factory.mktemp("trace")
     with jax.profiler.trace(str(where)):
-        for _ in range(STEPS):
-            jax.block_until_ready(f(*args))
+        for i in range(STEPS):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                jax.block_until_ready(f(*args))
     return where
 
 
@@ -257,3 +259,137 @@ def test_a_profile_fitted_here_predicts_this_machines_step_time(recorded: Path) 
     plain = measure(MLP, profile=base, compile="cpu", steps=1, warmup=0, policies="builtin")
     row0 = next(r for r in plain.rows if r.name == "everything_saveable")
     assert row0.predicted_step_time_s < row.predicted_step_time_s / 10
+
+
+# -- the step as lowered -----------------------------------------------------------------------
+
+_LOWERED = """HloModule jit_f
+
+ENTRY %main (x: f32[256,256], y: f32[256,256]) -> f32[256,256] {
+  %x = f32[256,256]{1,0} parameter(0)
+  %y = f32[256,256]{1,0} parameter(1)
+  %d = f32[256,256]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+  %a = f32[256,256]{1,0} add(%d, %x), metadata={op_name="jit(f)/add"}
+  ROOT %m = f32[256,256]{1,0} multiply(%a, %y), metadata={op_name="jit(f)/mul"}
+}
+"""
+
+_COMPILED = """HloModule jit_f, is_scheduled=true
+
+%fused_computation (p0: f32[256,256], p1: f32[256,256], p2: f32[256,256]) -> f32[256,256] {
+  %p0 = f32[256,256]{1,0} parameter(0)
+  %p1 = f32[256,256]{1,0} parameter(1)
+  %p2 = f32[256,256]{1,0} parameter(2)
+  %add.1 = f32[256,256]{1,0} add(%p0, %p1), metadata={op_name="jit(f)/add"}
+  ROOT %multiply.1 = f32[256,256]{1,0} multiply(%add.1, %p2), metadata={op_name="jit(f)/mul"}
+}
+
+ENTRY %main (x: f32[256,256], y: f32[256,256]) -> f32[256,256] {
+  %x = f32[256,256]{1,0} parameter(0)
+  %y = f32[256,256]{1,0} parameter(1)
+  %dot.1 = f32[256,256]{1,0} dot(%x, %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/dot_general"}
+  ROOT %fusion.1 = f32[256,256]{1,0} fusion(%dot.1, %x, %y), kind=kLoop, calls=%fused_computation
+}
+"""
+
+
+def test_lowered_fit_attributes_kernel_time_by_op_name_hand_computed(tmp_path: Path) -> None:
+    """Two steps of 50 us, each a 30 us dot kernel and a 10 us fusion of the add and the multiply
+    (10 us between kernels). On an H200 every instruction here is bound by its bytes: three
+    256x256 f32 arrays, 786,432 B, in 786432 / 4.8e12 s each. The fusion's time goes to the two
+    element-wise instructions (by op name), the 10 us gap to the classes as their 40 us are
+    split, so dot gets 37.5 us and elementwise 12.5 us: efficiencies r/37.5us and 2r/12.5us."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.passes.cost import CostAnalysis
+
+    h200 = load_profile("h200")
+    lowered, compiled = parse_module(_LOWERED), parse_module(_COMPILED)
+    ops, steps = [], []
+    for k in range(2):
+        t0 = 100.0 * k
+        ops += [OpEvent("jit_f", "dot.1", t0, 30.0, 1, 1), OpEvent("jit_f", "fusion.1", t0 + 40, 10.0, 1, 1)]
+        steps.append(Step("train", str(k), t0, 50.0))
+    trace = Trace(tmp_path, ops=tuple(ops), runs=(), transfers=(), steps=tuple(steps))
+    cal = fit_trace_lowered(trace, compiled, lowered, h200)
+    r = 3 * 256 * 256 * 4 / h200.hbm_bytes_per_s
+    assert 2 * 256**3 / h200.flops_per_s("f32") < r  # the dot too is bound by its bytes
+    fits = {f.op_class: f for f in cal.fits}
+    assert set(fits) == {"dot", "elementwise"}
+    assert fits["dot"].measured_s == pytest.approx(37.5e-6) and fits["dot"].roofline_s == pytest.approx(r)
+    assert fits["elementwise"].measured_s == pytest.approx(12.5e-6)
+    assert fits["elementwise"].roofline_s == pytest.approx(2 * r)
+    assert fits["dot"].efficiency == pytest.approx(r / 37.5e-6)
+    assert fits["elementwise"].efficiency == pytest.approx(2 * r / 12.5e-6)
+    assert (fits["dot"].ops, fits["elementwise"].ops) == (1, 2)
+    # the calibrated model times the step as lowered at the traced step's wall time
+    fitted = trace_calibrated_profile(h200, cal)
+    assert CostAnalysis(profile=fitted).run(lowered).totals.seconds == pytest.approx(50e-6)
+    assert "of the step as lowered" in fitted.sources["compute_efficiency.dot"]
+
+
+def test_lowered_fit_counts_loop_bodies_by_their_trip_count(tmp_path: Path) -> None:
+    """A loop of 4 iterations around an add: the lowered add runs 4 times a step, so its class's
+    roofline per step is 4 adds', and the fit still reproduces the step's wall time."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.passes.cost import CostAnalysis
+
+    text = """HloModule jit_g
+
+%body (s: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %s = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %v = f32[1024]{0} get-tuple-element(%s), index=1
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one), metadata={op_name="jit(g)/while/add_i"}
+  %w = f32[1024]{0} add(%v, %v), metadata={op_name="jit(g)/while/add"}
+  ROOT %t = (s32[], f32[1024]{0}) tuple(%j, %w)
+}
+
+%cond (s: (s32[], f32[1024])) -> pred[] {
+  %s = (s32[], f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[1024]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024]{0}) tuple(%zero, %x)
+  %loop = (s32[], f32[1024]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %out = f32[1024]{0} get-tuple-element(%loop), index=1
+}
+"""
+    lowered = parse_module(text)
+    compiled = parse_module(text.replace("HloModule jit_g", "HloModule jit_g, is_scheduled=true"))
+    ops = [OpEvent("jit_g", "w", 10.0 * k, 2.0, 1, 1) for k in range(4)]
+    trace = Trace(tmp_path, ops=tuple(ops), runs=(), transfers=(), steps=(Step("train", "0", 0.0, 40.0),))
+    h200 = load_profile("h200")
+    cal = fit_trace_lowered(trace, compiled, lowered, h200)
+    fits = {f.op_class: f for f in cal.fits}
+    one_add = 3 * 1024 * 4 / h200.hbm_bytes_per_s
+    assert fits["elementwise"].roofline_s >= 4 * one_add
+    fitted = trace_calibrated_profile(h200, cal)
+    assert CostAnalysis(profile=fitted).run(lowered).totals.seconds == pytest.approx(40e-6)
+
+
+@pytest.mark.slow
+def test_a_profile_fitted_to_the_lowered_step_times_it_at_the_traced_wall_time(recorded: Path) -> None:
+    """The MLP traced on this CPU, fitted to the step as lowered for an H200 profile (what ``plan``
+    times): the calibrated model's time for that module is the trace's median marked step."""
+    import statistics
+
+    from hloopt.calibrate import compiled_module_for, lowered_module_for
+    from hloopt.passes.cost import CostAnalysis
+    from hloopt.targets import resolve
+
+    trace = read_trace(recorded)
+    assert [s.step_num for s in trace.steps] == [str(i) for i in range(STEPS)]
+    base = load_profile("h200")
+    t = resolve(MLP)
+    lowered = lowered_module_for(t, base)
+    cal = fit_trace_lowered(trace, compiled_module_for(t), lowered, base)
+    assert {f.op_class for f in cal.fits} >= {"dot", "elementwise"}
+    wall = statistics.median(s.dur_us * 1e-6 for s in trace.steps)
+    fitted = trace_calibrated_profile(base, cal)
+    assert CostAnalysis(profile=fitted).run(lowered).totals.seconds == pytest.approx(wall, rel=1e-6)
