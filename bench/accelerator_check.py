@@ -39,7 +39,8 @@ def record_and_fit(target: str, out: Path, *, base: str | None = None, steps: in
     from hloopt.calibrate import (
         calibrated_profile,
         compiled_module_for,
-        fit_trace,
+        fit_trace_lowered,
+        lowered_module_for,
         measure_link,
         trace_calibrated_profile,
     )
@@ -54,12 +55,16 @@ def record_and_fit(target: str, out: Path, *, base: str | None = None, steps: in
     args = materialize(tuple(tgt.args))
     f = jax.jit(tgt.step_fn)
     jax.block_until_ready(f(*args))
-    with jax.profiler.trace(str(out / "trace")):
-        for _ in range(steps):
-            jax.block_until_ready(f(*args))
+    # each step marked (its wall time in the trace) and no Python tracer (it slows the host)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(str(out / "trace"), profiler_options=options):
+        for i in range(steps):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                jax.block_until_ready(f(*args))
     trace = read_trace(out / "trace")
     profile_base = load_profile(base or _guess_base(str(dev.device_kind)))
-    cal = fit_trace(trace, compiled_module_for(tgt), profile_base)
+    cal = fit_trace_lowered(trace, compiled_module_for(tgt), lowered_module_for(tgt, profile_base), profile_base)
     profile = trace_calibrated_profile(profile_base, cal, name=f"{profile_base.name}-calibrated")
     link = link_error = None
     try:

@@ -27,8 +27,12 @@ from hloopt.units import format_rate, format_seconds
               help="With --profile: the step that was traced (file.py:factory, compiled again on this "
                    "backend), or its optimized HLO (a dump folder or after_optimizations file).")
 @click.option("--size", default=None, help="With --profile: size passed to a zoo factory.")
+@click.option("--for-compiled", "for_compiled", is_flag=True,
+              help="With --profile: fit each kernel as the compiled module's instruction, for predictions "
+                   "from the compiled module (--compile). Default: fit the step as lowered, which plan and "
+                   "measure time (a JAX TARGET; an HLO target is always fitted as compiled).")
 def calibrate(base: str | None, out: str | None, sizes: tuple[int, ...], repeats: int, trace_dir: str | None,
-              target: str | None, size: str | None) -> None:
+              target: str | None, size: str | None, for_compiled: bool) -> None:
     """Time D2H and H2D copies alone and together on the default JAX device; fit latency + bandwidth.
 
     With --profile DIR: read the profiler trace there instead, fit how close each op class
@@ -40,13 +44,13 @@ def calibrate(base: str | None, out: str | None, sizes: tuple[int, ...], repeats
 
     if trace_dir is not None:
         with user_errors():
-            _from_trace(trace_dir, target, size, base, out)
+            _from_trace(trace_dir, target, size, base, out, for_compiled=for_compiled)
         return
-    if target is not None or size is not None:
+    if target is not None or size is not None or for_compiled:
         with user_errors():
             from hloopt.errors import UserError
 
-            raise UserError("--target and --size go with --profile DIR")
+            raise UserError("--target, --size and --for-compiled go with --profile DIR")
     with user_errors():
         cal = measure_link(sizes_bytes=sizes or DEFAULT_SIZES_BYTES, repeats=repeats)
         profile = load_profile(base or _guess_base(cal.device_kind))
@@ -60,8 +64,15 @@ def calibrate(base: str | None, out: str | None, sizes: tuple[int, ...], repeats
             click.echo(f"wrote {out}")
 
 
-def _from_trace(trace_dir: str, target: str | None, size: str | None, base: str | None, out: str | None) -> None:
-    from hloopt.calibrate import compiled_module_for, fit_trace, trace_calibrated_profile
+def _from_trace(trace_dir: str, target: str | None, size: str | None, base: str | None, out: str | None, *,
+                for_compiled: bool = False) -> None:
+    from hloopt.calibrate import (
+        compiled_module_for,
+        fit_trace,
+        fit_trace_lowered,
+        lowered_module_for,
+        trace_calibrated_profile,
+    )
     from hloopt.devices import load_profile, write_profile
     from hloopt.errors import UserError
     from hloopt.profile_trace import read_trace
@@ -77,12 +88,19 @@ def _from_trace(trace_dir: str, target: str | None, size: str | None, base: str 
 
         base = _guess_base(str(jax.devices()[0].device_kind))
     trace = read_trace(trace_dir)
-    module = compiled_module_for(resolve(target, size=size, stage="after"))
+    tgt = resolve(target, size=size, stage="after")
+    module = compiled_module_for(tgt)
     profile = load_profile(base)
-    cal = fit_trace(trace, module, profile)
+    if for_compiled or tgt.kind != "jax":
+        cal = fit_trace(trace, module, profile)
+        unit = "each kernel as the compiled instruction it runs"
+    else:
+        cal = fit_trace_lowered(trace, module, lowered_module_for(tgt, profile), profile)
+        unit = "the step as lowered (what plan times), kernel time attributed by op name"
     profile = trace_calibrated_profile(profile, cal, name=f"{profile.name}-calibrated")
     click.echo(f"{cal.trace}: {len(cal.step_wall_s)} runs of {cal.module}, {cal.matched_events} op events matched"
                + (f", {len(cal.unmatched_ops)} op names not in the module" if cal.unmatched_ops else ""))
+    click.echo(f"  fitted: {unit}")
     for f in cal.fits:
         click.echo(f"  {f.op_class:<14} {f.events:>5} events  {format_seconds(f.measured_s):>9}  "
                    f"{f.achieved_flops_per_s:.3g} FLOP/s  {format_rate(f.achieved_bytes_per_s):>10}  "

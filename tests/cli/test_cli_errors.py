@@ -237,7 +237,7 @@ PLAN_HLO = ["plan", HLO, "--device", "tpu-v5e", "-q"]
     (["calibrate", "--repeats", "1"], "Invalid value for '--repeats'"),
     (["calibrate", "--sizes", "12 GB?"], "'12 GB?': not a size"),
     (["calibrate", "--profile", "fixtures"], "--profile DIR needs --target"),
-    (["calibrate", "--target", "fixtures/zoo/mlp.py:tiny"], "--target and --size go with --profile DIR"),
+    (["calibrate", "--target", "fixtures/zoo/mlp.py:tiny"], "--target, --size and --for-compiled go with --profile DIR"),
     (["measure", HLO, "--steps", "0"], "Invalid value for '--steps'"),
     (["measure", HLO, "--device", "tpu-v5e"], "an HLO file cannot be run"),
     (["measure", "fixtures/zoo/mlp.py:tiny", "--policies", "none", "--device", "tpu-v5e"],
