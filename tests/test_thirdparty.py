@@ -66,9 +66,9 @@ SMALL_ERROR: dict[str, float] = {
 SMALL_MISSES: dict[str, str] = {
     "hf_resnet": "-7.0%: convolutions over a batch of 64 at 128 x 128 with batch norm, whose activations libtpu "
                  "lays out otherwise than modeled (-1.4% at size tiny)",
-    "levanter_llama": "-6.9%: an attention-mask broadcast made once and kept from the forward scan over layers "
-                      "to the backward one (64 MiB), which the model packs into VMEM where libtpu keeps it in "
-                      "HBM (-0.2% at size tiny)",
+    "levanter_llama": "-6.9%: a stack both scans over layers carry (64 MiB, filled by the forward scan, read by "
+                      "the backward one), which the model packs into VMEM at the loss where libtpu keeps it in "
+                      "HBM (-0.2% at size tiny; docs/measurements.md)",
 }
 
 
