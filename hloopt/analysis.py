@@ -218,14 +218,23 @@ def prepare_for_profile(module: Module, settings: Mapping[str, Any], *, am: Anal
         module = assign_tpu_layouts(inlined, owned=owned or inlined is not module)
         am = None
         if settings["schedule"] == "list":
+            from hloopt.passes.aliasing import control_flow_computations
             from hloopt.passes.schedule import ScheduleResult, list_schedule
             from hloopt.passes.tpu import TpuFusion
 
             # scheduled as libtpu's scheduler sees the module: after fusion, where a value
             # computed inside its readers allocates nothing and its operands live until they run
-            fused = TpuFusion().run(module, AnalysisManager(module)).fused
-            order = ScheduleResult("list", {c: list_schedule(c, fused) for c in module.computations.values()})
-            module = in_schedule_order(module, order, owned=True)
+            fusion_am = AnalysisManager(module)
+            fused = fusion_am.get(TpuFusion()).fused
+            # only the computations that hold storage: the order of a reducer's or a fusion
+            # body's instructions allocates nothing (they keep their text order)
+            order = ScheduleResult("list", {c: list_schedule(c, fused) for c in control_flow_computations(module)})
+            scheduled = in_schedule_order(module, order, owned=True)
+            if scheduled is module:
+                # reordered where it is: the same instructions and dataflow, and the fusion
+                # model's plan depends on nothing else, so it holds for the profile too
+                am = fusion_am
+            module = scheduled
         elif settings["schedule"] != "module":
             order = Schedule(kind=settings["schedule"]).run(module, AnalysisManager(module))
             # the layouts' module is always this call's own (a copy, or the caller's owned one)

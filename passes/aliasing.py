@@ -252,20 +252,7 @@ class _Builder:
 
     # -- build -----------------------------------------------------------------------------------
     def visited_computations(self) -> list[Computation]:
-        entry = self.module.entry
-        if entry is None:
-            return []
-        seen: dict[Computation, None] = {entry: None}
-        stack = [entry]
-        while stack:
-            comp = stack.pop()
-            for inst in comp.instructions:
-                if inst.opcode in CONTROL_FLOW:
-                    for callee in inst.called_computations:
-                        if callee not in seen:
-                            seen[callee] = None
-                            stack.append(callee)
-        return list(seen)
+        return control_flow_computations(self.module)
 
     def build(self) -> Aliasing:
         comps = self.visited_computations()
@@ -598,4 +585,24 @@ def _through_bitcasts(inst: Instruction) -> Instruction:
     return inst
 
 
-__all__ = ["Aliasing", "Buffer", "BufferAliasing", "CONTROL_FLOW", "ShapeIndex"]
+
+def control_flow_computations(module: Module) -> list[Computation]:
+    """The entry and every computation it reaches through ``while``/``conditional``/``call``
+    (the computations whose instructions hold storage; reducers and fusion bodies are code), in
+    discovery order."""
+    entry = module.entry
+    if entry is None:
+        return []
+    seen: dict[Computation, None] = {entry: None}
+    stack = [entry]
+    while stack:
+        comp = stack.pop()
+        for inst in comp.instructions:
+            if inst.opcode in CONTROL_FLOW:
+                for callee in inst.called_computations:
+                    if callee not in seen:
+                        seen[callee] = None
+                        stack.append(callee)
+    return list(seen)
+
+__all__ = ["Aliasing", "Buffer", "BufferAliasing", "CONTROL_FLOW", "ShapeIndex", "control_flow_computations"]

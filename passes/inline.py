@@ -211,7 +211,8 @@ def _reorder_in_place(module: Module, order: Mapping[Computation, Sequence[Instr
             comp.instructions = list(seq)
         comp.callers = []
     for comp in comps:
-        _finish(comp)
+        if comp in order:  # the others keep their instructions, and with them what _finish derives
+            _finish(comp)
         for inst in comp.instructions:
             if inst.called:
                 for callees in inst.called.values():

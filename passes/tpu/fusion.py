@@ -46,7 +46,7 @@ and never more than the global unsharded tiled size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from hloopt.ir import Instruction, Module
@@ -339,12 +339,15 @@ class TpuFusion(Analysis[FusionPlan]):
     narrow_stacks: bool = False
 
     def run(self, module: Module, am: AnalysisManager) -> FusionPlan:
+        if self.narrow_stacks:  # the plan without narrowed stacks, and those stacks
+            base = am.get(replace(self, narrow_stacks=False))
+            return replace(base, narrowed=base.narrowed | frozenset(bf16_stacks(module)))
         fused = fused_instructions(module)
         fused -= layout_boundaries(module, fused)
         copies = convolution_input_copies(module)
         fused -= copies.keys()
         fused -= cap_fusion_inputs(module, fused)
-        narrowed = bf16_stored(module, fused) | (bf16_stacks(module) if self.narrow_stacks else set())
+        narrowed = bf16_stored(module, fused)
         return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
                           frozenset(narrowed), copies)
 
