@@ -282,7 +282,6 @@ def fit_trace(trace: Any, module: Any, base: DeviceProfile) -> TraceCalibration:
     import dataclasses
 
     from hloopt.passes.cost import CostAnalysis, op_class
-    from hloopt.profile_trace import ops_in_run
 
     leaves, runs = _module_events(trace, module)
     plain = dataclasses.replace(base, compute_efficiency={})
@@ -309,22 +308,26 @@ def fit_trace(trace: Any, module: Any, base: DeviceProfile) -> TraceCalibration:
         names.setdefault(cls, set()).add(o.op)
     fits = tuple(ClassFit(k, int(v[0]), len(names[k]), v[1], v[2], v[3], v[4])
                  for k, v in sorted(acc.items()) if v[1] > 0 and v[4] > 0)
-    rates = _link_rates(trace)
+    return _calibration(trace, module, leaves, runs, fits, matched, unmatched)
+
+
+def _calibration(trace: Any, module: Any, leaves: list[Any], runs: list[Any], fits: tuple[ClassFit, ...],
+                 matched: int, unmatched: set[str]) -> TraceCalibration:
+    """A fit's result with what the trace says of every fit alike: the module's runs (wall time
+    and op time each) and the link's rates per direction (bytes over summed copy time; None
+    where the trace has no copy that way)."""
+    from hloopt.profile_trace import ops_in_run
+
+    rates: dict[str, float | None] = {}
+    for d in ("d2h", "h2d"):
+        ts = [t for t in trace.transfers if t.direction == d]
+        rates[d] = sum(t.bytes for t in ts) / (sum(t.dur_us for t in ts) * 1e-6) if ts else None
     return TraceCalibration(
         trace=str(trace.path), module=module.name,
         step_wall_s=tuple(r.dur_us * 1e-6 for r in runs),
         step_op_s=tuple(sum(o.dur_us for o in ops_in_run(trace, r, leaves)) * 1e-6 for r in runs),
         fits=fits, matched_events=matched, unmatched_ops=tuple(sorted(unmatched)),
         d2h_bytes_per_s=rates["d2h"], h2d_bytes_per_s=rates["h2d"], transfers=len(trace.transfers))
-
-
-def _link_rates(trace: Any) -> dict[str, float | None]:
-    """Bytes over summed copy time per direction; None where the trace has no copy that way."""
-    rates: dict[str, float | None] = {}
-    for d in ("d2h", "h2d"):
-        ts = [t for t in trace.transfers if t.direction == d]
-        rates[d] = sum(t.bytes for t in ts) / (sum(t.dur_us for t in ts) * 1e-6) if ts else None
-    return rates
 
 
 def executions(module: Any, cost: Any) -> dict[str, float]:
@@ -380,7 +383,6 @@ def fit_trace_lowered(trace: Any, compiled: Any, lowered: Any, base: DeviceProfi
     import statistics
 
     from hloopt.passes.cost import CostAnalysis, op_class
-    from hloopt.profile_trace import ops_in_run
 
     leaves, runs = _module_events(trace, compiled)
     if not runs and not trace.steps:
@@ -391,8 +393,8 @@ def fit_trace_lowered(trace: Any, compiled: Any, lowered: Any, base: DeviceProfi
     cost = CostAnalysis(profile=plain).run(lowered)
     times = executions(lowered, cost)
     control = {"while", "call", "conditional", "async-start", "async-done", "async-update"}
-    # op name -> [(class, roofline seconds per step, flops per step, bytes per step, instruction)]
-    by_name: dict[str, list[tuple[str, float, float, float, str]]] = {}
+    # op name -> [(class, roofline seconds per step)] of the instructions bearing it
+    by_name: dict[str, list[tuple[str, float]]] = {}
     roof: dict[str, list[float]] = {}  # class -> [seconds, flops, bytes, instructions]
     for comp in lowered.computations.values():
         for inst in comp.instructions:
@@ -408,8 +410,7 @@ def fit_trace_lowered(trace: Any, compiled: Any, lowered: Any, base: DeviceProfi
             r[1] += (c.flops + c.transcendentals) * n
             r[2] += c.bytes_accessed * n
             r[3] += 1
-            by_name.setdefault(inst.metadata.op_name, []).append(
-                (cls, c.seconds * n, (c.flops + c.transcendentals) * n, c.bytes_accessed * n, inst.name))
+            by_name.setdefault(inst.metadata.op_name, []).append((cls, c.seconds * n))
     name_roof = {k: sum(x[1] for x in v) for k, v in by_name.items() if k}
     insts = {i.name: i for c in compiled.computations.values() for i in c.instructions}
     kernel_s: dict[str, float] = {}
@@ -428,7 +429,7 @@ def fit_trace_lowered(trace: Any, compiled: Any, lowered: Any, base: DeviceProfi
         weights = {nm: name_roof[nm] for nm in _op_names(insts[k]) if name_roof.get(nm, 0) > 0}
         total = sum(weights.values())
         for nm, w in weights.items():
-            for cls, s, *_ in by_name[nm]:
+            for cls, s in by_name[nm]:
                 attributed[cls] = attributed.get(cls, 0.0) + t * (w / total) * (s / w)
                 events[cls] = events.get(cls, 0) + 1
     # the step's wall time: the program's own step markers where it has them (the only reliable
@@ -444,13 +445,7 @@ def fit_trace_lowered(trace: Any, compiled: Any, lowered: Any, base: DeviceProfi
                 for c in roof}
     fits = tuple(ClassFit(c, events.get(c, 0), int(r[3]), measured[c], r[1], r[2], r[0], unit="lowered")
                  for c, r in sorted(roof.items()) if measured[c] > 0)
-    rates = _link_rates(trace)
-    return TraceCalibration(
-        trace=str(trace.path), module=compiled.name,
-        step_wall_s=tuple(r.dur_us * 1e-6 for r in runs),
-        step_op_s=tuple(sum(o.dur_us for o in ops_in_run(trace, r, leaves)) * 1e-6 for r in runs),
-        fits=fits, matched_events=matched, unmatched_ops=tuple(sorted(unmatched)),
-        d2h_bytes_per_s=rates["d2h"], h2d_bytes_per_s=rates["h2d"], transfers=len(trace.transfers))
+    return _calibration(trace, compiled, leaves, runs, fits, matched, unmatched)
 
 
 def _previous(base: DeviceProfile, field_name: str) -> str:
@@ -519,8 +514,10 @@ def trace_calibrated_profile(base: DeviceProfile, cal: TraceCalibration, *, name
 
 
 def lowered_module_for(target: Any, profile: DeviceProfile) -> Any:
-    """The step as ``plan`` times it for ``profile``: a JAX TARGET lowered as written for the
-    profile's platform (TPU, else CUDA), parsed, calls inlined (:func:`hloopt.pipeline.lower_for_plan`)."""
+    """The step as ``plan`` times it for ``profile``, under the policies it was traced with: a
+    JAX TARGET lowered as written (not with every residual saved, as
+    :func:`hloopt.pipeline.lower_for_plan` lowers it) for the profile's platform (TPU, else
+    CUDA), parsed, calls inlined."""
     from hloopt.hlo.parser import parse_module
     from hloopt.lowering import lower
     from hloopt.passes.inline import inline_for_assignment

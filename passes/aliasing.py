@@ -251,11 +251,8 @@ class _Builder:
             self.union(a, b)
 
     # -- build -----------------------------------------------------------------------------------
-    def visited_computations(self) -> list[Computation]:
-        return control_flow_computations(self.module)
-
     def build(self) -> Aliasing:
-        comps = self.visited_computations()
+        comps = control_flow_computations(self.module)
         base, slot_inst, slot_index = self.base, self.slot_inst, self.slot_index
         for comp in comps:
             for inst in comp.instructions:
@@ -585,7 +582,6 @@ def _through_bitcasts(inst: Instruction) -> Instruction:
     return inst
 
 
-
 def control_flow_computations(module: Module) -> list[Computation]:
     """The entry and every computation it reaches through ``while``/``conditional``/``call``
     (the computations whose instructions hold storage; reducers and fusion bodies are code), in
@@ -604,5 +600,6 @@ def control_flow_computations(module: Module) -> list[Computation]:
                         seen[callee] = None
                         stack.append(callee)
     return list(seen)
+
 
 __all__ = ["Aliasing", "Buffer", "BufferAliasing", "CONTROL_FLOW", "ShapeIndex", "control_flow_computations"]
