@@ -1,4 +1,5 @@
-"""What hloopt knows of the frameworks models are written in: how each turns checkpointing on.
+"""What hloopt knows of the frameworks models are written in: how each turns checkpointing on, and
+how each passes a step's non-array arguments.
 
 A policy governs only values saved inside a ``jax.checkpoint`` region. A program that saves its
 residuals outside any (transformers' Flax models by default, a flax module without ``nn.remat``)
@@ -10,8 +11,11 @@ model is also a flax model; its own switch is the one to give).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from hloopt.units import format_bytes
 
@@ -65,3 +69,73 @@ def unmovable_line(unmovable_bytes: int, framework: str | None) -> str | None:
         return None
     return (f"{format_bytes(unmovable_bytes)} of residuals no policy can move: the step saves them outside "
             f"any jax.checkpoint; to let hloopt plan them, {remat_switch(framework)}")
+
+
+def _is_equinox_jit(step_fn: object) -> bool:
+    return type(step_fn).__name__ == "_JitWrapper" and type(step_fn).__module__.startswith("equinox")
+
+
+def _is_array(x: object) -> bool:
+    """An array leaf in equinox's sense (``eqx.is_array``), or its abstract stand-in."""
+    import jax
+    import numpy as np
+
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _is_traceable(x: object) -> bool:
+    """A leaf ``jax.jit`` traces: an array, its abstract stand-in, or a Python number."""
+    return _is_array(x) or isinstance(x, (bool, int, float, complex))
+
+
+def jittable(step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+             ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    """``(step_fn, args, kwargs)`` as ``jax.jit`` takes them: non-array leaves held by the step.
+
+    hloopt lowers, compiles and runs a step through ``jax.jit``, which traces every leaf of its
+    arguments. Programs pass more than arrays: an Equinox model holds its activation functions and
+    Python-number hyperparameters as leaves, and ``eqx.filter_jit`` keeps every non-array leaf
+    static (a Python float traced instead becomes an array that ``eqx.is_array`` then takes for a
+    parameter). So the leaves the step's own jit would keep static are taken out of the arguments
+    and put back inside the step: for an ``eqx.filter_jit`` step (unwrapped; its ``donate=`` kept as
+    ``donate_argnums``), every leaf that is not an array; for any other step, the leaves ``jax.jit``
+    cannot trace at all (functions, strings, objects). The arguments keep their tree paths, so the
+    HLO parameters keep their names; such leaves of the step's result are dropped (constants, no
+    buffers). A step with only traceable leaves is returned as it is.
+    """
+    import jax
+
+    if _is_equinox_jit(step_fn):
+        fn: Callable[..., Any] = step_fn.__wrapped__  # type: ignore[attr-defined]
+        dynamic = _is_array
+        first = bool(getattr(step_fn, "donate_first", False))
+        rest = bool(getattr(step_fn, "donate_rest", False))
+        donate = tuple(i for i in range(len(args)) if (first if i == 0 else rest))
+    else:
+        fn, dynamic, donate = step_fn, _is_traceable, ()
+        if all(dynamic(x) for x in jax.tree.leaves((args, dict(kwargs)))):
+            return step_fn, tuple(args), dict(kwargs)
+
+    def split(tree: Any, keep: bool) -> Any:
+        return jax.tree.map(lambda x: x if dynamic(x) == keep else None, tree)
+
+    static_args, static_kwargs = split((tuple(args), dict(kwargs)), False)
+    dyn_args, dyn_kwargs = split((tuple(args), dict(kwargs)), True)
+
+    def combine(dyn: Any, static: Any) -> Any:
+        return jax.tree.map(lambda d, s: s if d is None else d, dyn, static, is_leaf=lambda x: x is None)
+
+    @functools.wraps(fn)
+    def step(*a: Any, **kw: Any) -> Any:
+        out = fn(*combine(a, static_args), **combine(kw, static_kwargs))
+        # the non-array leaves of what it returns (the updated model's functions) are constants
+        # the compiled step does not hold either
+        return jax.tree.map(lambda x: x if _is_traceable(x) else None, out)
+
+    try:
+        step.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    if donate:
+        return jax.jit(step, donate_argnums=donate), dyn_args, dyn_kwargs
+    return step, dyn_args, dyn_kwargs

@@ -300,6 +300,16 @@ def package_folders() -> tuple[str, ...]:
     return tuple(sorted((os.path.abspath(p).rstrip(os.sep) + os.sep for p in found), key=len, reverse=True))
 
 
+def _console_script() -> list[str]:
+    """The ``hloopt`` command's launcher script when it runs this process: the outermost frame
+    of every op, which must not stand in for a model line when a framework's frames hide them all
+    (``nnx.jit`` plumbing around an RNG split). A user's own script is kept."""
+    script = sys.argv[0] if sys.argv else ""
+    if Path(script).name in ("hloopt", "hloopt.exe", "hloopt-script.py") and os.path.isfile(script):
+        return [os.path.abspath(script)]
+    return []
+
+
 @contextlib.contextmanager
 def framework_frames_skipped(model_packages: Iterable[str] = ()) -> Iterator[None]:
     """While inside, JAX's op metadata locates ops at model code (restored on exit).
@@ -334,7 +344,8 @@ def framework_frames_skipped(model_packages: Iterable[str] = ()) -> Iterator[Non
     # a library's replacement of a JAX function is plumbing, not model code
     shims = jax_shims()
     # hloopt's own frames (lower() calling the step) are no user's either
-    excluded = [os.path.dirname(os.path.abspath(__file__)) + os.sep, *folders(FRAMEWORK_PACKAGES), *sorted(shims)]
+    excluded = [os.path.dirname(os.path.abspath(__file__)) + os.sep, *folders(FRAMEWORK_PACKAGES), *sorted(shims),
+                *_console_script()]
     installed = package_folders()
     included = [part for f in folders(set(model_packages) - set(FRAMEWORK_PACKAGES) - _NOT_MODELS)
                 if f.startswith(installed) for part in _cover(f, shims)]

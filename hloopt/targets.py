@@ -7,7 +7,9 @@ A TARGET is one of
   ``jax.ShapeDtypeStruct``. ``size=`` and ``factory_kwargs`` are passed to the factory. The
   factory need not know about checkpoint policies: hloopt imposes one while tracing the step
   (:mod:`hloopt.policy_override`). A factory that declares ``policy=`` (:attr:`Target.takes_policy`)
-  is instead called again with it (:meth:`Target.rebuild`).
+  is instead called again with it (:meth:`Target.rebuild`). The step and arguments are kept as
+  ``jax.jit`` takes them: leaves the step's own jit keeps static (an ``eqx.filter_jit`` model's
+  functions and Python numbers, strings) are held by the step (:func:`hloopt.frameworks.jittable`).
   ``file.py`` alone means ``file.py:make``. A file inside a package (folders with ``__init__.py``)
   is imported under its dotted name, with the folder above the package on ``sys.path``, so its
   relative imports work; a file outside a package has its own folder on ``sys.path``, as
@@ -227,6 +229,9 @@ def _call_factory(target: str, factory: Callable[..., Any], kw: Mapping[str, Any
         raise UserError(f"{target}: {fname}() returned args as a {type(args).__name__}, not a tuple")
     if not isinstance(kwargs, Mapping):
         raise UserError(f"{target}: {fname}() returned kwargs as a {type(kwargs).__name__}, not a dict")
+    from hloopt.frameworks import jittable
+
+    step_fn, args, kwargs = jittable(step_fn, tuple(args), kwargs)
     return Target(name=target, kind="jax", step_fn=step_fn, args=tuple(args), kwargs=MappingProxyType(dict(kwargs)),
                   factory=factory, factory_kwargs=MappingProxyType(dict(kw)))
 

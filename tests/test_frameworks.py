@@ -94,3 +94,90 @@ def test_the_most_specific_framework_wins() -> None:
                         modules=[]) == "transformers"
     assert framework_of([], modules=["flax", "equinox", "haliax"]) == "haliax"
     assert framework_of(["model.py:3"], modules=["jax"]) is None
+
+
+# -- non-array arguments: what the step's own jit would keep static ----------------------------
+
+EQX = """
+    import equinox as eqx
+    import jax, jax.numpy as jnp
+
+    class Net(eqx.Module):
+        lin: eqx.nn.Linear
+        scale: float                      # a Python float leaf: static under eqx.filter_jit
+        act: object = jax.nn.gelu         # a function leaf
+
+        def __call__(self, x):
+            return self.act(self.lin(x)) * self.scale
+
+    def make(donate="none"):
+        net = Net(eqx.nn.Linear(64, 64, key=jax.random.PRNGKey(0)), 0.5)
+
+        @eqx.filter_jit(donate=donate)
+        def step(net, x):
+            loss, g = eqx.filter_value_and_grad(lambda n: jnp.sum(jax.vmap(n)(x)))(net)
+            return eqx.apply_updates(net, jax.tree.map(lambda u: -1e-3 * u, g)), loss
+
+        return step, (net, jnp.ones((8, 64)))
+"""
+
+
+def _entry_parameters(text: str) -> list[str]:
+    from hloopt.hlo.parser import parse_module
+
+    module = parse_module(text)
+    return sorted(str(p.shape).split("{")[0] for p in module.entry.parameters)
+
+
+@pytest.mark.parametrize("donate", ["none", "all"])
+def test_an_equinox_step_lowers_as_its_filter_jit_does(tmp_path, donate) -> None:
+    """An ``eqx.filter_jit`` step whose model holds a Python float and a function: hloopt lowers
+    it with the same array parameters (and donation) as equinox's own ``.lower`` does; under a
+    plain ``jax.jit`` the float would become an array that ``eqx.is_array`` takes for a
+    parameter."""
+    pytest.importorskip("equinox")
+    from hloopt.lowering import lower
+    from hloopt.targets import resolve
+
+    target = resolve(_write(tmp_path, "eqx_step.py", EQX), factory_kwargs={"donate": donate})
+    ours = lower(target, platform="cpu").hlo_text
+    import sys
+
+    module = sys.modules[target.factory.__module__]  # type: ignore[union-attr]
+    step, args = module.make(donate)
+    theirs = step.lower(*args).lowered.as_text(dialect="hlo")  # equinox's Lowered wraps jax's
+    assert _entry_parameters(ours) == _entry_parameters(theirs) == ["f32[64,64]", "f32[64]", "f32[8,64]"]
+    assert ("input_output_alias" in ours) == ("input_output_alias" in theirs) == (donate == "all")
+
+
+def test_a_leaf_jax_cannot_trace_is_held_by_the_step() -> None:
+    """A plain function given a string among its arrays: the string stays with the step, the
+    arrays keep their tree paths, and the step computes what it computes when called directly."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloopt.frameworks import jittable
+
+    def step(cfg, x):
+        return x * 2 if cfg["mode"] == "double" else x
+
+    cfg = {"mode": "double", "w": jnp.ones(3)}
+    fn, args, kwargs = jittable(step, (cfg, jnp.arange(3.0)), {})
+    assert args[0] == {"mode": None, "w": cfg["w"]} and kwargs == {}
+    assert jnp.array_equal(jax.jit(fn)(*args), step(cfg, jnp.arange(3.0)))
+    # only traceable leaves: returned as given
+    assert jittable(step, (1.0, jnp.ones(2)), {})[0] is step
+
+
+def test_the_hloopt_launcher_is_no_source_line(tmp_path, monkeypatch) -> None:
+    """Ops whose frames are all framework plumbing must not be located at the ``hloopt`` console
+    script (its absolute path); a user's own script stays a source."""
+    from hloopt.lowering import _console_script
+
+    launcher = tmp_path / "bin" / "hloopt"
+    launcher.parent.mkdir()
+    launcher.write_text("from hloopt.cli import run\nrun()\n")
+    monkeypatch.setattr("sys.argv", [str(launcher), "analyze"])
+    assert _console_script() == [str(launcher)]
+    monkeypatch.setattr("sys.argv", [str(tmp_path / "train.py")])
+    assert _console_script() == []
