@@ -652,8 +652,8 @@ def _trace_producer(inst: Instruction) -> tuple[Instruction, Instruction | None,
     """(the op computing a value, the first pinned_host annotation on the way, whether on host).
 
     Looks through views, annotations and into called computations (``call`` results, pieces of a
-    ``call``/``fusion`` tuple), and from a called computation's parameter back to its caller's
-    operand.
+    ``call``/``fusion`` tuple), from a called computation's parameter back to its caller's
+    operand, and through a concatenation of copies of one value (an unrolled scan's iterations).
     """
     callers: list[Instruction] = []
     host = False
@@ -679,6 +679,15 @@ def _trace_producer(inst: Instruction) -> tuple[Instruction, Instruction | None,
                 return inst, marker, host
             callers.append(inst)
             inst = comp.root
+        elif op == "concatenate" and len(inst.operands) > 1:
+            # An unrolled scan stacks the iterations' copies of one value (each a call of the same
+            # body computation, or its inlined copy) before writing them into the loop's stack: a
+            # concatenation whose pieces all trace to one op, or to copies of it, is that op's
+            # value, on host when every piece is.
+            pieces = [_trace_producer(o) for o in inst.operands]
+            if any(not _same_op(p[0], pieces[0][0]) for p in pieces):
+                return inst, marker, host
+            return pieces[0][0], marker or pieces[0][1], host or all(p[2] for p in pieces)
         elif op == "parameter" and callers and inst.parent is not None and not inst.parent.is_entry:
             call = callers.pop()
             n = inst.parameter_number
@@ -688,6 +697,13 @@ def _trace_producer(inst: Instruction) -> tuple[Instruction, Instruction | None,
         else:
             return inst, marker, host
     return inst, marker, host
+
+
+def _same_op(a: Instruction, b: Instruction) -> bool:
+    """``a`` is ``b``, or a copy of the same traced op (an inlined call's): same opcode, shape and
+    JAX op metadata."""
+    return a is b or (a.opcode == b.opcode and a.shape == b.shape and bool(a.metadata.op_name)
+                      and a.metadata == b.metadata)
 
 
 def _look_through(inst: Instruction) -> Instruction:

@@ -129,3 +129,47 @@ def test_checkpoint_input_names_are_those_whose_remat_saves_nothing(model: str) 
                      if _bytes(_saved(model, kwargs, [m for m in names if m != n])) == _bytes(everything)}
     assert input_names(sites) == frees_nothing
     assert frees_nothing == {"decoder_layer_input"}
+
+
+UNROLLED = """
+    from functools import partial
+    import jax, jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    def layer(x, w):
+        h = checkpoint_name(jnp.tanh(x @ w["a"]), "pre")
+        return x + h @ w["b"]
+
+    def make(unroll=2):
+        f = jax.checkpoint(layer, policy=jax.checkpoint_policies.save_only_these_names("pre"))
+
+        def loss(params, x):
+            x, _ = jax.lax.scan(lambda c, w: (f(c, w), None), x, params, unroll=unroll)
+            return jnp.mean(x ** 2)
+
+        @partial(jax.jit, donate_argnums=(0,))
+        def step(params, x):
+            l, g = jax.value_and_grad(loss)(params, x)
+            return jax.tree.map(lambda p, gi: p - 1e-3 * gi, params, g), l
+
+        params = {"a": jax.ShapeDtypeStruct((4, 64, 256), jnp.float32),
+                  "b": jax.ShapeDtypeStruct((4, 256, 64), jnp.float32)}
+        return step, (params, jax.ShapeDtypeStruct((32, 64), jnp.float32))
+"""
+
+
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_a_name_saved_by_an_unrolled_scan_is_found(tmp_path: Path, unroll: int) -> None:
+    """A scan with ``unroll`` 2 stacks its two iterations' copies of a named value with a
+    concatenate before writing them into the loop's stack: the stack is still that name's (the
+    program's own policy saves it), 4 layers x f32[32,256], as with ``unroll`` 1."""
+    import textwrap
+
+    from hloopt.naming import name_residuals
+
+    path = tmp_path / "unrolled.py"
+    path.write_text(textwrap.dedent(UNROLLED))
+    probe = name_residuals(resolve(f"{path}:make", factory_kwargs={"unroll": unroll}))
+    named = [r for r in probe.residuals if r.name == "pre"]
+    assert len(named) == 1 and named[0].bytes == 4 * 32 * 256 * 4
+    assert named[0].primitive != "concatenate"
