@@ -211,7 +211,10 @@ def _call_factory(target: str, factory: Callable[..., Any], kw: Mapping[str, Any
         result = factory(**kw)
     except TypeError as err:
         msg = _one_line(err)
-        if "unexpected keyword" in msg or "positional argument" in msg:
+        # a signature mismatch is raised by the call itself (no frame of the factory's body): a
+        # TypeError from deeper down is the program's own (a library calling a removed jax API)
+        at_call = err.__traceback__ is None or err.__traceback__.tb_next is None
+        if at_call and ("unexpected keyword" in msg or "positional argument" in msg):
             raise UserError(f"{target}: {fname}({shown}) does not take these arguments: {msg}") from err
         raise UserError(f"{target}: {fname}({shown}) raised TypeError: {msg}") from err
     except UserError:

@@ -138,6 +138,23 @@ def test_factory_that_does_not_take_policy(factories: Path) -> None:
     assert "unexpected keyword argument 'policy'" in str(err.value)
 
 
+def test_a_type_error_inside_the_factory_is_the_programs(tmp_path: Path) -> None:
+    """A library inside the factory calling an API with a keyword it no longer takes (transformers'
+    Flax T5 calls ``jnp.clip(a_max=...)``, gone in jax 0.10) is the program's TypeError, not a
+    factory that does not take hloopt's arguments."""
+    path = write(tmp_path / "lib_call.py", """
+        def clip(x, max=None):
+            return x
+
+        def make(size="tiny"):
+            clip(1, a_max=2)
+        """)
+    with pytest.raises(UserError) as err:
+        resolve(f"{path}:make", size="tiny")
+    assert str(err.value) == (f"{path}:make: make(size=...) raised TypeError: "
+                              "clip() got an unexpected keyword argument 'a_max'")
+
+
 def test_missing_file_and_module(tmp_path: Path) -> None:
     with pytest.raises(UserError) as err:
         resolve(f"{tmp_path}/absent.py:tiny")
