@@ -469,6 +469,8 @@ def _find(module: Module, *, loss_output: int | None, hints: bool) -> ResidualSe
         if inst.shape.is_tuple or not inst.shape.is_array:
             continue  # its pieces (get-tuple-element) are the residuals
         residuals.append(_residual(module, inst, bwd_users, fwd, pos, root))
+    if not residuals:
+        _check_not_in_loop(module)
     backward_start = min((r.first_backward_use for r in residuals), default=len(order))
     return ResidualSet(module=module, residuals=tuple(residuals), static=tuple(static_res), loss=loss,
                        forward_size=len(fwd), backward_start=backward_start)
@@ -510,6 +512,46 @@ def _forward_hint(inst: Instruction) -> bool:
     return "jvp(" in op_name and "transpose(" not in op_name
 
 
+def differentiated_in_loop(module: Module) -> Instruction | None:
+    """The entry's loop whose body computes a backward pass (JAX's ``transpose(`` op names) when
+    the entry computes none outside loops: gradient accumulation over microbatches
+    (``lax.fori_loop``/``scan`` around ``jax.grad``). Residuals are found at the top level only."""
+    entry = module.entry
+    if entry is None:
+        return None
+    loops = []
+    for inst in entry.instructions:
+        if inst.opcode == "while":
+            loops.append(inst)
+        elif "transpose(" in inst.metadata.op_name:
+            return None  # the step differentiates at its top level
+    for loop in loops:
+        todo, seen = [c for c in loop.called.get("body", [])], set()
+        while todo:
+            comp = todo.pop()
+            if comp.name in seen:
+                continue
+            seen.add(comp.name)
+            for inst in comp.instructions:
+                if "transpose(" in inst.metadata.op_name:
+                    return loop
+                for callees in inst.called.values():
+                    todo.extend(callees)
+    return None
+
+
+def _check_not_in_loop(module: Module) -> None:
+    loop = differentiated_in_loop(module)
+    if loop is None:
+        return
+    src = module.user_source_of(loop, skip=LIBRARY_PATHS)
+    where = f"the loop at {src[0]}:{src[1]}" if src else f"loop {loop.name}"
+    raise UserError(f"{module.filename}: the step differentiates inside a loop ({where}: gradient "
+                    "accumulation over microbatches?), and hloopt finds residuals at a step's top level "
+                    "only: make the TARGET the step of one microbatch (its loss and gradient); its plan "
+                    "applies unchanged inside the loop")
+
+
 def _pick_loss(entry: Computation, loss_output: int | None, module: Module) -> Instruction:
     root = entry.root
     assert root is not None
@@ -522,8 +564,9 @@ def _pick_loss(entry: Computation, loss_output: int | None, module: Module) -> I
     scalars = [o for o in outputs if o.shape.is_array and o.shape.rank == 0
                and _DTYPE_FLOAT.match(o.shape.element_type) and o.opcode != "parameter"]
     if not scalars:
+        _check_not_in_loop(module)
         raise UserError(f"{module.filename}: no scalar floating-point output to take as the loss "
-                        "(a train step returns its loss); name it with loss_output=")
+                        "(a train step returns its loss)")
     if len(scalars) == 1:
         return scalars[0]
     ancestors = {o: _ancestors(o) for o in scalars}

@@ -218,6 +218,34 @@ def test_module_without_scalar_loss_is_a_user_error() -> None:
         find_residuals(parse_module(text))
 
 
+@pytest.mark.parametrize("returns_loss", [False, True])
+def test_a_step_that_differentiates_inside_a_loop_is_told_what_to_plan(returns_loss: bool) -> None:
+    """Gradient accumulation: ``jax.grad`` under ``lax.fori_loop`` over microbatches. Its residuals
+    are the loop body's, not the step's: with or without a loss output, the user is told to plan
+    the step of one microbatch, and where the loop is."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloopt.errors import UserError
+    from hloopt.lowering import lower
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    def step(w, xs):
+        grads = jax.lax.fori_loop(0, 4, lambda i, acc: acc + jax.grad(loss)(w, xs[i]), jnp.zeros_like(w))
+        return (w - grads, jnp.float32(0)) if returns_loss else w - grads
+
+    w, xs = jax.ShapeDtypeStruct((64, 64), jnp.float32), jax.ShapeDtypeStruct((4, 8, 64), jnp.float32)
+    module = parse_module(lower(step, w, xs, platform="cpu").hlo_text)
+    with pytest.raises(UserError, match=r"differentiates inside a loop \(the loop at .*test_residuals.py:\d+: "
+                                        r"gradient accumulation.*the step of one microbatch"):
+        find_residuals(module)
+    # the step of one microbatch has its residuals at the top level
+    one = parse_module(lower(jax.value_and_grad(loss), w, xs.update(shape=(8, 64)), platform="cpu").hlo_text)
+    assert len(find_residuals(one)) > 0
+
+
 @pytest.mark.parametrize("model", ["mlp", "convnet", "gpt2", "llama"])
 def test_offloaded_residual_bytes_equal_xla_host_temp(model: str) -> None:
     """XLA's host_temp_size_in_bytes (libtpu memory_analysis) is exactly the offloaded residuals."""
