@@ -13,14 +13,17 @@ buffer takes: the :class:`FusionPlan` generic liveness takes
   (:func:`is_one_hot_scatter`), which XLA rewrites into a compare/select, or a dot that contracts
   nothing (:func:`is_elementwise_dot`), which it rewrites into a multiply. It stays materialized
   when it feeds loop state, a tuple or the root (XLA writes the last fused op there), unless it is
-  a scalar or a constant, and when one of its readers is a select-and-scatter (the max-pool
+  a scalar or a constant, or a reshape that only regroups major dimensions (a bitcast under TPU
+  tiling) of a value loops read unchanged (:func:`is_invariant_state_view`: a scan with
+  ``unroll`` > 1 over stacked weights), and when one of its readers is a select-and-scatter (the max-pool
   gradient), into which nothing fuses: XLA fuses a producer into all its readers or none.
   A fusion reads a bounded number of buffers (:func:`cap_fusion_inputs`): a chain of cheap ops
   over more than :data:`MAX_FUSION_INPUTS` materialized values (an optimizer's global gradient
   norm, a sum of squares over every parameter leaf) is computed once into a buffer of its own,
   not into each of its readers.
   Reductions, dots, convolutions, gathers/scatters, dynamic-(update-)slices, sorts, loops and
-  calls are fusion roots: they hold their result.
+  calls are fusion roots: they hold their result, except a dynamic-slice read only by static
+  slices (:func:`is_sliced_window`), which XLA folds into them.
 * **Model inputs copied for convolutions** (:func:`convolution_input_copies`): a convolution reads
   its input with the contracted dimension tiled; an entry parameter read (through transposes)
   with that dimension elsewhere, an NCHW image, is copied once into the convolutions' layout.
@@ -130,7 +133,7 @@ def fused_instructions(module: Module) -> set[Instruction]:
     for comp in module.computations.values():
         for inst in comp.instructions:
             fusible = inst.opcode in FUSIBLE or is_identity_call(inst) or is_one_hot_scatter(inst) \
-                or is_elementwise_dot(inst) or offloaded_into_stack(inst)
+                or is_elementwise_dot(inst) or offloaded_into_stack(inst) or is_sliced_window(inst)
             if not fusible or inst.shape.is_tuple or inst.is_root:
                 continue
             if any(u.opcode in _NOT_FUSION_CONSUMERS for u in inst.users):
@@ -148,13 +151,75 @@ def fused_instructions(module: Module) -> set[Instruction]:
                 continue  # a module output has its own allocation
             if feeds_state:
                 # Feeding loop state or the output: XLA materializes the last fused op there,
-                # unless it is a scalar or a constant.
-                if inst.shape.num_elements > 1 and inst.opcode != "constant":
+                # unless it is a scalar or a constant, or a reshape that is a bitcast only
+                # loops read unchanged (:func:`is_invariant_state_view`).
+                if inst.shape.num_elements > 1 and inst.opcode != "constant" \
+                        and not is_invariant_state_view(inst):
                     continue
             if entry is not None and comp is not entry and comp.root is inst:
                 continue
             out.add(inst)
     return out
+
+
+def is_sliced_window(inst: Instruction) -> bool:
+    """A dynamic-slice read only by static slices (through reshapes): XLA's algebraic simplifier folds each
+    ``slice(dynamic-slice(x))`` into a dynamic-slice of ``x``, so the window itself is never
+    written (a scan with ``unroll`` > 1 reads its ``[L/u, u, ...]`` stacks so: one window per
+    loop step, sliced into the ``u`` layers)."""
+    if inst.opcode != "dynamic-slice":
+        return False
+    todo, found = [inst], False
+    while todo:
+        v = todo.pop()
+        for u in v.users:
+            if u.opcode in ("reshape", "bitcast") and not u.is_root:
+                todo.append(u)
+            elif u.opcode == "slice":
+                found = True
+            else:
+                return False
+    return found
+
+
+def is_tiled_bitcast(inst: Instruction) -> bool:
+    """A reshape that only splits or merges the major dimensions of an array, the two minor ones
+    (tiled on the sublanes and lanes) unchanged: XLA's layout assignment makes it a bitcast of its
+    operand's buffer (``ReshapeIsBitcast``), such as a scan over ``unroll`` > 1 grouping its
+    ``[L, ...]`` stacks into ``[L/u, u, ...]``."""
+    if inst.opcode not in ("reshape", "bitcast") or not inst.operands:
+        return False
+    src, dst = inst.operands[0].shape, inst.shape
+    if not (src.is_array and dst.is_array) or src.element_type != dst.element_type:
+        return False
+    a, b = src.dims, dst.dims
+    if len(a) < 2 or len(b) < 2:
+        return False
+    return a[-2:] == b[-2:]
+
+
+def is_invariant_state_view(inst: Instruction) -> bool:
+    """A tiled bitcast (:func:`is_tiled_bitcast`) of a value whose every reader is a loop's initial
+    state that the loop body passes through unchanged (read-only loop state): the loop reads the
+    operand's buffer in place, and XLA's copy insertion adds no copy for state the loop never
+    writes. A scan over stacked parameters with ``unroll`` > 1 hands each loop such a view."""
+    if not is_tiled_bitcast(inst) or not inst.users:
+        return False
+    for u in inst.users:
+        if u.opcode != "tuple" or not u.users or any(w.opcode != "while" for w in u.users):
+            return False
+        for w in u.users:
+            body = w.callee("body")
+            if body is None or body.root is None or body.root.opcode != "tuple":
+                return False
+            for k, o in enumerate(u.operands):
+                if o is not inst:
+                    continue
+                out = body.root.operands[k] if k < len(body.root.operands) else None
+                if out is None or out.opcode != "get-tuple-element" or out.tuple_index != k \
+                        or not out.operands or out.operands[0].opcode != "parameter":
+                    return False
+    return True
 
 
 def _rewritten_convolution(inst: Instruction) -> bool:
@@ -353,4 +418,5 @@ class TpuFusion(Analysis[FusionPlan]):
 
 
 __all__ = ["MAX_FUSION_INPUTS", "FusionPlan", "TpuFusion", "cap_fusion_inputs", "convolution_input_copies",
-           "fused_instructions", "is_one_hot_scatter", "layout_boundaries"]
+           "fused_instructions", "is_invariant_state_view", "is_one_hot_scatter", "is_sliced_window",
+           "is_tiled_bitcast", "layout_boundaries"]

@@ -15,7 +15,11 @@ with ``packed(t)`` the bytes of the live movable temporaries a largest-first pla
 buffers fits into ``capacity_bytes`` (:func:`packed_bytes`), ``out(t)`` the live temporaries XLA's
 buffer assigner puts inside output allocations (free in HBM, still S(1) values in VMEM), and a
 parameter's prefetched copy live from the compute step before its first reader to its last reader
-(:func:`prefetch_windows`). In VMEM a convolution's result and the pooling windows over it are laid
+(:func:`prefetch_windows`). A stacked f32 weight the loops read only for default-precision
+matmuls (:func:`hloopt.passes.tpu.storage.bf16_loop_weight`) also has a bf16 copy the loops carry
+(libtpu hoists the convert out of the loop): a temporary over the parameter's prefetch window,
+placed with the movable ones on the HBM side (:func:`loop_weight_copies`); on the VMEM side the
+parameter's prefetch already stands for it. In VMEM a convolution's result and the pooling windows over it are laid
 out with batch and feature minor (:func:`activation_minor_sizes`); HBM keeps them compact. libtpu
 lands every copy from host memory in HBM, never in VMEM (``hbm_pinned``): MSA prefetches it on
 into VMEM for its readers (:mod:`hloopt.passes.memory` says what libtpu's compiled modules show
@@ -79,20 +83,27 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
         elif b.parameter >= 0 or b.output_indices:
             fdiff[s] += sizes[b.id]
             fdiff[end[b.id] + 1] -= sizes[b.id]
-    mov = list(accumulate(mdiff[:-1]))
     fixed = list(accumulate(fdiff[:-1]))
     for s, e, size in on_chip_only:
         cdiff[s] += size
         cdiff[e + 1] -= size
-    on_chip_mov = list(accumulate(cdiff[:-1]))
     at = lr.aliasing.position_buffers
     # parameters prefetched into VMEM, from the compute step before their first reader to their last
     first, last, compute = prefetch_windows(lr)
+    # stacked weights the loops read as bf16: their hoisted bf16 copy is a temporary over the
+    # same window, placed like the movable ones (module docstring). The VMEM side already holds
+    # the parameter's prefetch over that window, the copy's place there: it is not counted twice.
+    copies = {b: nbytes for b, nbytes in loop_weight_copies(lr).items() if b in first}
     pdiff = [0] * (n + 1)
     for b, s in first.items():
         pdiff[s] += sizes[b]
         pdiff[last[b] + 1] -= sizes[b]
     prefetched = list(accumulate(pdiff[:-1]))
+    for b, nbytes in copies.items():
+        mdiff[first[b]] += nbytes
+        mdiff[last[b] + 1] -= nbytes
+    mov = list(accumulate(mdiff[:-1]))
+    on_chip_mov = list(accumulate(cdiff[:-1]))
 
     # Memory-space assignment places whole buffers: at a step whose movable temporaries exceed
     # VMEM, what stays in HBM is what a largest-first placement cannot fit.
@@ -120,6 +131,9 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
     for bid in movable - hbm_pinned:
         born[start[bid]].append(sizes[bid])
         dies[end[bid] + 1].append(sizes[bid])
+    for b, nbytes in copies.items():
+        born[first[b]].append(nbytes)
+        dies[last[b] + 1].append(nbytes)
     live: Counter[int] = Counter()
     hbm_side = list(hbm_bytes[:n])
     for t in range(n):
@@ -136,6 +150,25 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
             hbm_side[t] += mov[t] - packed_bytes(live, room)
     vmem_side = [base_bytes + f + min(capacity_bytes, c + p) for f, c, p in zip(fixed, on_chip_mov, prefetched)]
     return hbm_side, vmem_side
+
+
+def loop_weight_copies(lr: LiveRanges) -> dict[int, int]:
+    """Entry parameter buffer id -> bytes of the bf16 copy libtpu makes of it for the loops that
+    read it (:func:`hloopt.passes.tpu.storage.bf16_loop_weight`), tiled as the parameter is."""
+    from hloopt.passes.tpu.layout import tpu_compact_bytes
+    from hloopt.passes.tpu.storage import bf16_loop_weight
+
+    out: dict[int, int] = {}
+    for b in lr.buffers:
+        inst = b.instruction
+        if b.parameter < 0 or b.memory_space != 0 or inst.opcode != "parameter" or not inst.shape.is_array:
+            continue
+        if bf16_loop_weight(inst):
+            f32 = tpu_compact_bytes("f32", inst.shape.dims)
+            # per device: the parameter's (sharded) size, halved as bf16 halves the tiled bytes
+            bf16 = tpu_compact_bytes("bf16", inst.shape.dims)
+            out[b.id] = max(1, lr.size_bytes[b.id] * bf16 // max(f32, 1))
+    return out
 
 
 def prefetch_windows(lr: LiveRanges) -> tuple[dict[int, int], dict[int, int], list[int]]:
@@ -325,5 +358,5 @@ def packed_bytes(live: Counter[int], capacity_bytes: int) -> int:
 _NO_PREFETCH = CONTROL_FLOW | TUPLE_OPS | BARRIERS | {"parameter", "constant"}
 
 
-__all__ = ["ON_CHIP_MEMORY_SPACE", "activation_minor_sizes", "msa_sides", "msa_timeline", "packed_bytes",
-           "prefetch_windows"]
+__all__ = ["ON_CHIP_MEMORY_SPACE", "activation_minor_sizes", "loop_weight_copies", "msa_sides", "msa_timeline",
+           "packed_bytes", "prefetch_windows"]

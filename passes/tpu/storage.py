@@ -9,6 +9,8 @@
   :func:`bf16_stacks`: a scan's stacked residual that the backward loop only slices for such
   matmuls is stored bf16 too (libtpu's llama steps carry them as ``bf16[L,...]`` loop state);
   ``hloopt analyze``'s prediction counts them (``TpuFusion(narrow_stacks=True)``).
+  :func:`bf16_loop_weight`: stacked f32 weights loops read the same way get a bf16 copy the
+  loops carry (the convert hoisted out of the loop); :mod:`hloopt.passes.tpu.msa` places it.
 * **Host stacks** (:func:`host_stack_updates`): XLA's host offloader writes an offloaded value
   that a scan stacks (a ``pinned_host`` annotation read through reshapes by a
   dynamic-update-slice) straight into a stack it allocates in host memory.
@@ -169,12 +171,78 @@ _VIEWS = VIEWS
 
 
 def _matmul_readers_only(value: Instruction, limit: int = 64) -> bool:
-    """Every reader of ``value`` (through bitcasts and reshapes) is a default-precision f32
-    matmul (:func:`is_bf16_matmul`); False when there is none or the walk grows past ``limit``."""
-    readers = _view_readers(value, lambda u, v: u.opcode in _VIEWS, limit)
-    if not readers:
+    """Every reader of ``value`` (through bitcasts, reshapes and slices, and through the tuple and
+    optimization barrier ``jax.checkpoint`` hands a rematerialized layer's saved slice through,
+    element by element) is a default-precision f32 matmul (:func:`is_bf16_matmul`); False when
+    there is none, the value leaves through anything else, or the walk grows past ``limit``."""
+    todo: list[tuple[Instruction, tuple[int, ...]]] = [(value, ())]
+    seen: set[tuple[Instruction, tuple[int, ...]]] = set()
+    found = False
+    while todo:
+        node, index = todo.pop()
+        if (node, index) in seen:
+            continue
+        seen.add((node, index))
+        if len(seen) > limit or node.is_root:
+            return False
+        for u in node.users:
+            op = u.opcode
+            if (op in _VIEWS or op == "slice") and not index:
+                todo.append((u, ()))
+            elif op == "tuple":
+                todo.extend((u, (k,) + index) for k, o in enumerate(u.operands) if o is node)
+            elif op == "get-tuple-element":
+                if not index:
+                    return False
+                if u.tuple_index == index[0]:
+                    todo.append((u, index[1:]))
+            elif op in BARRIERS:
+                todo.append((u, index))
+            elif index or not is_bf16_matmul(u):
+                return False
+            else:
+                found = True
+    return found
+
+
+def bf16_loop_weight(value: Instruction) -> bool:
+    """An f32 value that loops carry unchanged and read only by slicing it for default-precision
+    matmuls (:func:`_matmul_readers_only`): a scan's stacked weights. TPU feeds those matmuls
+    ``convert(slice)``; libtpu hoists the convert out of the loop, so the loops carry one bf16
+    copy of the whole stack (one copy for every loop reading it: libtpu's compiled scans carry
+    ``bf16[L,...]`` weights from the forward loop into the backward one). The f32 value itself
+    stays for its other readers (the optimizer update). Readers other than loops do not matter;
+    a loop reading the value any other way does (no copy, it reads the f32 value)."""
+    if not value.shape.is_array or value.shape.element_type != "f32" or value.shape.num_elements <= 1:
         return False
-    return all(is_bf16_matmul(u) for u, _ in readers)
+    loops = 0
+    for u, v in _view_readers(value, lambda u, v: u.opcode in _VIEWS, 256) or ():
+        if u.opcode != "tuple" or not u.users or any(w.opcode != "while" for w in u.users):
+            continue
+        for w in u.users:
+            body = w.callee("body")
+            if body is None or body.root is None or body.root.opcode != "tuple" or not body.parameters:
+                return False
+            for k, o in enumerate(u.operands):
+                if o is not v:
+                    continue
+                for g in body.parameters[0].users:
+                    if g.opcode != "get-tuple-element" or g.tuple_index != k:
+                        continue
+                    for r in g.users:
+                        if r is body.root and k < len(r.operands) and r.operands[k] is g:
+                            continue  # carried through unchanged
+                        if r.opcode != "dynamic-slice" or r.operands[0] is not g or not _matmul_readers_only(r):
+                            return False
+                if k >= len(body.root.operands) or not _is_slot(body.root.operands[k], k):
+                    return False  # the loop writes the slot
+            loops += 1
+    return loops > 0
+
+
+def _is_slot(inst: Instruction, k: int) -> bool:
+    return inst.opcode == "get-tuple-element" and inst.tuple_index == k and bool(inst.operands) \
+        and inst.operands[0].opcode == "parameter"
 
 
 def bf16_stacks(module: Module) -> set[Instruction]:
@@ -237,4 +305,5 @@ def _backward_stack_reads(w: Instruction, k: int) -> list[Instruction] | None:
     return reads or None
 
 
-__all__ = ["bf16_stacks", "bf16_stored", "host_stack_updates", "is_bf16_matmul", "offloaded_into_stack"]
+__all__ = ["bf16_loop_weight", "bf16_stacks", "bf16_stored", "host_stack_updates", "is_bf16_matmul",
+           "offloaded_into_stack"]
