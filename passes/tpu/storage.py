@@ -170,11 +170,19 @@ def bf16_stored(module: Module, fused: set[Instruction]) -> set[Instruction]:
 _VIEWS = VIEWS
 
 
-def _matmul_readers_only(value: Instruction, limit: int = 64) -> bool:
+def _is_bf16_cast(inst: Instruction) -> bool:
+    """``convert`` of an f32 value to bf16: a program's own cast (mixed precision, MaxText's
+    ``dtype=bfloat16`` layers over f32 weights)."""
+    return inst.opcode == "convert" and inst.shape.element_type == "bf16" and bool(inst.operands) \
+        and inst.operands[0].shape.element_type == "f32"
+
+
+def _matmul_readers_only(value: Instruction, limit: int = 64, *, casts: bool = False) -> bool:
     """Every reader of ``value`` (through bitcasts, reshapes and slices, and through the tuple and
     optimization barrier ``jax.checkpoint`` hands a rematerialized layer's saved slice through,
-    element by element) is a default-precision f32 matmul (:func:`is_bf16_matmul`); False when
-    there is none, the value leaves through anything else, or the walk grows past ``limit``."""
+    element by element) is a default-precision f32 matmul (:func:`is_bf16_matmul`), or with
+    ``casts`` a cast to bf16 (:func:`_is_bf16_cast`); False when there is none, the value leaves
+    through anything else, or the walk grows past ``limit``."""
     todo: list[tuple[Instruction, tuple[int, ...]]] = [(value, ())]
     seen: set[tuple[Instruction, tuple[int, ...]]] = set()
     found = False
@@ -198,7 +206,7 @@ def _matmul_readers_only(value: Instruction, limit: int = 64) -> bool:
                     todo.append((u, index[1:]))
             elif op in BARRIERS:
                 todo.append((u, index))
-            elif index or not is_bf16_matmul(u):
+            elif index or not (is_bf16_matmul(u) or casts and _is_bf16_cast(u)):
                 return False
             else:
                 found = True
@@ -207,8 +215,9 @@ def _matmul_readers_only(value: Instruction, limit: int = 64) -> bool:
 
 def bf16_loop_weight(value: Instruction) -> bool:
     """An f32 value that loops carry unchanged and read only by slicing it for default-precision
-    matmuls (:func:`_matmul_readers_only`): a scan's stacked weights. TPU feeds those matmuls
-    ``convert(slice)``; libtpu hoists the convert out of the loop, so the loops carry one bf16
+    matmuls (:func:`_matmul_readers_only`), or casts to bf16 (mixed precision's own
+    ``astype``): a scan's stacked weights. TPU feeds those matmuls ``convert(slice)``; libtpu
+    hoists the convert (the program's or its own) out of the loop, so the loops carry one bf16
     copy of the whole stack (one copy for every loop reading it: libtpu's compiled scans carry
     ``bf16[L,...]`` weights from the forward loop into the backward one). The f32 value itself
     stays for its other readers (the optimizer update). Readers other than loops do not matter;
@@ -232,7 +241,8 @@ def bf16_loop_weight(value: Instruction) -> bool:
                     for r in g.users:
                         if r is body.root and k < len(r.operands) and r.operands[k] is g:
                             continue  # carried through unchanged
-                        if r.opcode != "dynamic-slice" or r.operands[0] is not g or not _matmul_readers_only(r):
+                        if r.opcode != "dynamic-slice" or r.operands[0] is not g \
+                                or not _matmul_readers_only(r, casts=True):
                             return False
                 if k >= len(body.root.operands) or not _is_slot(body.root.operands[k], k):
                     return False  # the loop writes the slot
