@@ -15,8 +15,8 @@
   that a scan stacks (a ``pinned_host`` annotation read through reshapes by a
   dynamic-update-slice) straight into a stack it allocates in host memory.
 
-Invariant: a narrowed (bf16-stored) value is an f32 array defined in the entry that is neither a
-parameter nor an output.
+Invariant: a narrowed (bf16-stored) value is an f32 array that is neither a parameter nor an
+output: defined in the entry, or a bf16 stack's read in a loop body and the windows sliced from it.
 """
 
 from __future__ import annotations
@@ -311,8 +311,22 @@ def _backward_stack_reads(w: Instruction, k: int) -> list[Instruction] | None:
                             continue  # carried through unchanged
                         if u.opcode != "dynamic-slice" or u.operands[0] is not g or not _matmul_readers_only(u):
                             return None
+                        reads.extend(_slices_of(u))
                     reads.append(g)
     return reads or None
+
+
+def _slices_of(window: Instruction) -> list[Instruction]:
+    """A bf16 stack's window and what views and slices of it a loop step materializes (the
+    operands of a remat's barrier): bf16 as the stack is."""
+    out, todo = [window], [window]
+    while todo:
+        v = todo.pop()
+        for u in v.users:
+            if (u.opcode in _VIEWS or u.opcode == "slice") and u not in out:
+                out.append(u)
+                todo.append(u)
+    return out
 
 
 __all__ = ["bf16_loop_weight", "bf16_stacks", "bf16_stored", "host_stack_updates", "is_bf16_matmul",

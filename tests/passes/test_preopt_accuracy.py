@@ -796,8 +796,9 @@ def test_prediction_notes_name_its_blind_spots() -> None:
 
 def test_scan_stacks_read_back_only_by_matmuls_are_stored_bf16() -> None:
     """``bf16_stacks``: a forward loop's stack that the backward loop only slices for
-    default-precision matmuls is narrowed (the update that fills it and the backward loop's read
-    of it); one the backward loop also reads elementwise is not. Hand-written two-loop module."""
+    default-precision matmuls is narrowed (the update that fills it, the backward loop's read of
+    it and the window a step slices from it); one the backward loop also reads elementwise is not.
+    Hand-written two-loop module."""
     from hloopt.hlo.parser import parse_module
     from hloopt.passes.tpu.storage import bf16_stacks
 
@@ -852,7 +853,8 @@ ENTRY e {{
 
     dot = "y = f32[128,128] dot(r, r), lhs_contracting_dims={0}, rhs_contracting_dims={0}"
     narrowed = {i.name for i in bf16_stacks(parse_module(module(dot)))}
-    assert narrowed == {"upd", "st"}  # the forward update and the backward loop's read
+    # the forward update, the backward loop's read, and the window it slices (and its view)
+    assert narrowed == {"upd", "st", "sl", "r"}
     elementwise = "e2 = f32[8,128] exponential(r)\n  y = f32[128,128] dot(e2, r), lhs_contracting_dims={0}, rhs_contracting_dims={0}"
     assert bf16_stacks(parse_module(module(elementwise))) == set()
 
