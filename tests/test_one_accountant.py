@@ -212,20 +212,26 @@ def test_the_floor_leaves_out_scanned_residual_stacks(scan_step) -> None:  # typ
     """A scanned layer's residuals live in [L, ...] stacks named by the loop's initial value and
     its in-place update, not by the loop output element the backward pass reads: the floor (the
     model's VMEM side with every residual off the device) holds none of them, so recomputing
-    every value brings the replay down by the stacks' bytes (4 layers x 2 f32[8,128,512] = 16 MiB)."""
+    every value brings the replay down by the stacks' bytes (4 layers x 2 [8,128,512] stacks: with
+    jax 0.10 both f32, 16 MiB; with jax 0.12 the tanh stack is bf16, as libtpu 0.0.50.1 stores it,
+    12 MiB)."""
     from hloopt.problem import Action
     from hloopt.simulator import simulate
 
     an, problem = pipeline.analyze_target(scan_step, PROFILE)
     every = Decisions({c.key: Action.REMAT for c in problem.candidates if Action.REMAT in c.allowed})
+    stacks = sum(c.bytes for c in problem.candidates if Action.REMAT in c.allowed and "[8,128,512]" in c.key)
+    assert stacks >= 12 * 2**20
     saved = simulate(problem, Decisions.all_device()).peak_bytes
-    assert saved - simulate(problem, every).peak_bytes >= 16 * 2**20
+    assert saved - simulate(problem, every).peak_bytes >= stacks
 
 
 def test_a_budget_the_model_meets_with_nothing_saved_is_planned(scan_step) -> None:  # type: ignore[no-untyped-def]
     """Where the replay's least peak is above the memory model's figure for the step with nothing
-    saved, a budget between the two is planned (not refused), and the memory model puts the step
-    lowered with the plan within it; a budget under both is refused with the lower figure."""
+    saved (jax 0.10's lowering of this step), a budget between the two is planned (not refused);
+    where they agree (jax 0.12's), a budget of that figure is. Either way the memory model puts the
+    step lowered with the plan within it, and a budget under both is refused with the lower
+    figure."""
     import jax
 
     from hloopt.analysis import analyze
@@ -241,7 +247,7 @@ def test_a_budget_the_model_meets_with_nothing_saved_is_planned(scan_step) -> No
                       platform="tpu").peak_bytes
     _, problem = pipeline.analyze_target(scan_step, PROFILE)
     replay_floor = lower_bound_peak(problem)
-    assert nothing < replay_floor, "the case this test is about: the replay counts more"
+    assert nothing <= replay_floor, "the replay never counts less than the model with nothing saved"
     budget = (nothing + replay_floor) // 2
     outcome = pipeline.plan(scan_step, profile=PROFILE, budget=str(budget))
     modeled = analyze(parse_module(lower(scan_step, platform="tpu", policy=policy(outcome.plan)).hlo_text),

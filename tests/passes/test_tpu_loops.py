@@ -176,8 +176,6 @@ def _user_scan(unroll: int, cast: bool = False):  # type: ignore[no-untyped-def]
     return step, (params, jax.ShapeDtypeStruct((2048, 1024), jnp.float32))
 
 
-@pytest.mark.slow
-@pytest.mark.tpu
 def _jax_at_least(major: int, minor: int) -> bool:
     import jax
 
@@ -191,6 +189,8 @@ UNROLL_JAX_012 = ("+7.4% (jax 0.12.0.1, libtpu 0.0.50.1): the checkpointed layer
                   "before its use")
 
 
+@pytest.mark.slow
+@pytest.mark.tpu
 @pytest.mark.parametrize(("unroll", "cast"), [
     (1, False),
     pytest.param(2, False, marks=pytest.mark.xfail(_jax_at_least(0, 11), strict=True, reason=UNROLL_JAX_012)),
