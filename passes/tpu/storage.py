@@ -101,12 +101,13 @@ _PASS_THROUGH = TUPLE_OPS | BARRIERS
 
 
 def _final_readers(inst: Instruction, limit: int = 64,
-                   positions: dict[Instruction, dict[int, list[int]]] | None = None) -> list[Instruction] | None:
+                   positions: dict[Instruction, dict[int, list[int]]] | None = None,
+                   views: frozenset[str] = frozenset()) -> list[Instruction] | None:
     """The instructions that read ``inst``'s value, looking through tuples, get-tuple-elements and
-    optimization barriers (index by index); None when the value leaves through anything else
-    (a loop, a call, the root) or the walk grows past ``limit``. ``positions`` caches, per tuple,
-    where each operand sits in it (a training step's tuples of thousands of leaves are read by
-    each of them)."""
+    optimization barriers (index by index), and ops in ``views`` that read a whole array; None when
+    the value leaves through anything else (a loop, a call, the root) or the walk grows past
+    ``limit``. ``positions`` caches, per tuple, where each operand sits in it (a training step's
+    tuples of thousands of leaves are read by each of them)."""
     if positions is None:
         positions = {}
     out: list[Instruction] = []
@@ -121,7 +122,9 @@ def _final_readers(inst: Instruction, limit: int = 64,
             return None
         for u in node.users:
             op = u.opcode
-            if op == "tuple":
+            if op in views and not index:
+                todo.append((u, ()))
+            elif op == "tuple":
                 where = positions.get(u)
                 if where is None:
                     where = positions[u] = {}
@@ -168,6 +171,8 @@ def bf16_stored(module: Module, fused: set[Instruction]) -> set[Instruction]:
 
 #: ops a value passes through unchanged in storage on its way to a matmul (views)
 _VIEWS = VIEWS
+#: and what a loop step's window passes through to its layers' matmuls
+_WINDOW_VIEWS = VIEWS | {"slice"}
 
 
 def _is_bf16_cast(inst: Instruction) -> bool:
@@ -183,34 +188,10 @@ def _matmul_readers_only(value: Instruction, limit: int = 64, *, casts: bool = F
     element by element) is a default-precision f32 matmul (:func:`is_bf16_matmul`), or with
     ``casts`` a cast to bf16 (:func:`_is_bf16_cast`); False when there is none, the value leaves
     through anything else, or the walk grows past ``limit``."""
-    todo: list[tuple[Instruction, tuple[int, ...]]] = [(value, ())]
-    seen: set[tuple[Instruction, tuple[int, ...]]] = set()
-    found = False
-    while todo:
-        node, index = todo.pop()
-        if (node, index) in seen:
-            continue
-        seen.add((node, index))
-        if len(seen) > limit or node.is_root:
-            return False
-        for u in node.users:
-            op = u.opcode
-            if (op in _VIEWS or op == "slice") and not index:
-                todo.append((u, ()))
-            elif op == "tuple":
-                todo.extend((u, (k,) + index) for k, o in enumerate(u.operands) if o is node)
-            elif op == "get-tuple-element":
-                if not index:
-                    return False
-                if u.tuple_index == index[0]:
-                    todo.append((u, index[1:]))
-            elif op in BARRIERS:
-                todo.append((u, index))
-            elif index or not (is_bf16_matmul(u) or casts and _is_bf16_cast(u)):
-                return False
-            else:
-                found = True
-    return found
+    readers = _final_readers(value, limit, views=_WINDOW_VIEWS)
+    if not readers:
+        return False
+    return all(is_bf16_matmul(u) or casts and _is_bf16_cast(u) for u in readers)
 
 
 def bf16_loop_weight(value: Instruction) -> bool:
