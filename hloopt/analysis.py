@@ -339,6 +339,15 @@ def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[s
                      "activations out as the compiled ResNets measured show, not always as modeled "
                      "(transformers' ResNet-18: -1.7% of libtpu at batch 8, -7.0% at 64 x 128 x 128; "
                      "bench/thirdparty.py)")
+    # libtpu reports the higher of its two temporaries heaps; where the model's VMEM side is the
+    # higher one at the peak, the figure rests on what memory-space assignment may hold (VMEM
+    # capacity, lifetimes, parameter prefetches), not on MSA's own placement, which evicts some
+    # long-lived values and leaves room unused (passes/tpu/msa.py)
+    chip = prof.on_chip_timeline_bytes
+    if chip and prof.timeline_bytes and chip[prof.peak_step] >= prof.timeline_bytes[prof.peak_step]:
+        notes.append("the peak is libtpu's on-chip VMEM heap, not HBM: predicted from what memory-space "
+                     "assignment may place there, not from its own placement (steps measured with this "
+                     "peak: -12% to +6% of libtpu, docs/measurements.md)")
     eager = sum(1 for i in steps if offloaded_source(i) is not None)
     if eager:
         notes.append(f"{eager} value(s) offloaded outside a loop: libtpu copies them back right after "

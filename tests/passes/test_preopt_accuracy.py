@@ -333,6 +333,25 @@ def test_small_models_predicted_peak_within_3_percent(name: str) -> None:
     if offload:
         assert report.profile.host_bytes == pytest.approx(xla["host_temp_size_in_bytes"], rel=SMALL_HOST.get(name, 0.01))
     assert report.peak_bytes == pytest.approx(xla["peak_memory_in_bytes"], rel=SMALL_TOLERANCE.get(name, 0.03))
+    # analyze says when its peak is the VMEM heap: so does libtpu's compiled module (its live
+    # temporaries at the peak are S(1)), except where the model's HBM side is the higher by a hair
+    vmem_note = any("on-chip VMEM heap" in n for n in report.notes)
+    assert vmem_note == (_libtpu_peaks_on_vmem(name) and name not in VMEM_SIDE_MISSES)
+
+
+#: libtpu reports its VMEM heap; the model's HBM side is 1.2% higher than that heap (gpt2: the
+#: prediction is +1.2% of libtpu's peak either way)
+VMEM_SIDE_MISSES = {"gpt2", "gpt2.offload"}
+
+
+def _libtpu_peaks_on_vmem(name: str) -> bool:
+    """Whether the temporaries live at libtpu's compiled peak are on-chip (``S(1)``)."""
+    import gzip
+
+    text = gzip.open(ZOO / "dumps" / f"{name}.small.tpu-v5e.hlo.gz", "rt").read()
+    compiled = analyze(parse_module_text(text), top=10_000)
+    temps = [b for b in compiled.profile.top if b.category in ("activations", "temporaries", "gradients")]
+    return bool(temps) and all("S(1)" in b.shape for b in temps)
 
 
 #: tolerance of the predicted host bytes at size small where not 1%: gpt2.offload predicts all 48
@@ -782,15 +801,19 @@ def test_prediction_notes_name_its_blind_spots() -> None:
     """A TPU prediction says when the module has what the model does not cover (a convolution
     over a batch below 8) or what libtpu does that a user would not expect (offloads outside a
     loop copied straight back); a scan's offloads and a compiled module get no such notes."""
+    # every tiny zoo step peaks on libtpu's VMEM heap (its compiled snapshot), and the model's
+    # VMEM side is the higher there too: each gets that note besides the others
+    vmem = "on-chip VMEM heap"
     convnet = analyze(ZOO / "convnet.tpu.hlo", platform="tpu")
-    assert len(convnet.notes) == 1 and "batch smaller than 8" in convnet.notes[0]
+    assert len(convnet.notes) == 2 and "batch smaller than 8" in convnet.notes[0] and vmem in convnet.notes[1]
     assert convnet.to_json()["notes"] == convnet.notes
-    offloaded = analyze(ZOO / "gpt2.offload.tpu.hlo", platform="tpu").notes
+    offloaded = [n for n in analyze(ZOO / "gpt2.offload.tpu.hlo", platform="tpu").notes if vmem not in n]
     assert len(offloaded) == 1 and offloaded[0].startswith("8 value(s) offloaded outside a loop")
-    assert analyze(ZOO / "llama.offload.tpu.hlo", platform="tpu").notes == []
+    assert [vmem in n for n in analyze(ZOO / "llama.offload.tpu.hlo", platform="tpu").notes] == [True]
     assert analyze(ZOO / "convnet.tpu-v5e.hlo").notes == []
     # a ResNet's stem over a batch of 8: the layouts measured on compiled ResNets, not everywhere
     resnet = analyze(parse_module_text(_CONV_INPUT_MODULE), platform="tpu").notes
+    resnet = [n for n in resnet if vmem not in n]
     assert len(resnet) == 1 and resnet[0].startswith("1 convolution(s) over a batch of 8 or more")
 
 
