@@ -63,12 +63,41 @@ def remat_switch(framework: str | None) -> str:
     return dict(REMAT_SWITCHES).get(framework or "", GENERIC_SWITCH)
 
 
-def unmovable_line(unmovable_bytes: int, framework: str | None) -> str | None:
+def transformers_without_checkpointing(sources: Iterable[str]) -> list[str]:
+    """The transformers Flax models among the source paths (``transformers/models/vit/
+    modeling_flax_vit.py`` -> ``vit``) that implement no gradient checkpointing: no class of their
+    module defines ``enable_gradient_checkpointing`` (FlaxPreTrainedModel's own raises
+    NotImplementedError; transformers 4.57: ViT, GPT-2 and Llama among them), so the switch
+    :data:`REMAT_SWITCHES` names does not exist for them."""
+    import importlib
+
+    out: list[str] = []
+    for model in sorted({parts[2] for parts in (s.split("/") for s in sources)
+                         if len(parts) == 4 and parts[:2] == ["transformers", "models"]
+                         and parts[3] == f"modeling_flax_{parts[2]}.py"}):
+        try:
+            mod = importlib.import_module(f"transformers.models.{model}.modeling_flax_{model}")
+        except Exception:  # noqa: BLE001 - a model file that no longer imports: say nothing of it
+            continue
+        if not any(isinstance(v, type) and v.__module__ == mod.__name__ and "enable_gradient_checkpointing" in vars(v)
+                   for v in vars(mod).values()):
+            out.append(model)
+    return out
+
+
+def unmovable_line(unmovable_bytes: int, framework: str | None, sources: Iterable[str] = ()) -> str | None:
     """One line saying how many residual bytes no policy can move and what to turn on, or None."""
     if unmovable_bytes <= 0:
         return None
-    return (f"{format_bytes(unmovable_bytes)} of residuals no policy can move: the step saves them outside "
-            f"any jax.checkpoint; to let hloopt plan them, {remat_switch(framework)}")
+    head = (f"{format_bytes(unmovable_bytes)} of residuals no policy can move: the step saves them outside "
+            "any jax.checkpoint")
+    if framework == "transformers":
+        missing = transformers_without_checkpointing(sources)
+        if missing:
+            return (f"{head}, and transformers' Flax {', '.join(missing)} implements no gradient checkpointing "
+                    "(no enable_gradient_checkpointing); to let hloopt plan them, wrap its layer modules in "
+                    "flax.linen.remat or use a model that has gradient_checkpointing=True")
+    return f"{head}; to let hloopt plan them, {remat_switch(framework)}"
 
 
 def _is_equinox_jit(step_fn: object) -> bool:

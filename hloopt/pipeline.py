@@ -861,7 +861,8 @@ def unmovable_residuals_line(rs: Any, *, imports: Iterable[str] = ()) -> str | N
 
     if any(under_checkpoint(r) for r in rs):
         return None
-    return unmovable_line(rs.total_bytes, framework_of(_stack_files(rs), modules=imports))
+    files = _stack_files(rs)
+    return unmovable_line(rs.total_bytes, framework_of(files, modules=imports), files)
 
 
 def _stack_files(rs: Any, *, frames: int = 64) -> list[str]:

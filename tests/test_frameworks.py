@@ -181,3 +181,21 @@ def test_the_hloopt_launcher_is_no_source_line(tmp_path, monkeypatch) -> None:
     assert _console_script() == [str(launcher)]
     monkeypatch.setattr("sys.argv", [str(tmp_path / "train.py")])
     assert _console_script() == []
+
+
+def test_a_transformers_model_without_checkpointing_is_not_told_to_turn_it_on() -> None:
+    """transformers' Flax ViT defines no ``enable_gradient_checkpointing`` (calling the base
+    class's raises NotImplementedError); BERT's does. The hint for residuals in ViT's layer file
+    says so instead of naming a switch ViT lacks."""
+    transformers = pytest.importorskip("transformers")  # a third-party requirement, not a dev one
+    from hloopt.frameworks import transformers_without_checkpointing, unmovable_line
+
+    vit, bert = "transformers/models/vit/modeling_flax_vit.py", "transformers/models/bert/modeling_flax_bert.py"
+    assert transformers_without_checkpointing([vit, bert, "flax/linen/module.py"]) == ["vit"]
+    with pytest.raises(NotImplementedError):
+        transformers.FlaxViTModel(transformers.ViTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                                         intermediate_size=64), _do_init=False).enable_gradient_checkpointing()
+    line = unmovable_line(1024, "transformers", [vit])
+    assert line is not None and "Flax vit implements no gradient checkpointing" in line
+    assert unmovable_line(1024, "transformers", [bert]) == unmovable_line(1024, "transformers")
+    assert remat_switch("transformers") in (unmovable_line(1024, "transformers", [bert]) or "")
