@@ -22,6 +22,7 @@ LLAMA = "fixtures/zoo/llama.py:tiny"
 BSD = 2 * 32 * 64 * 4  # one layer's query_proj/context, bytes
 BSK = 2 * 32 * 32 * 4  # one layer's key_proj/value_proj, bytes
 LAYERS = 2
+VMEM_NOTE = "the peak is libtpu's on-chip VMEM heap, not HBM"
 
 
 def offload(name: str, per_layer_bytes: int, *, layers: int = LAYERS) -> Decision:
@@ -92,8 +93,11 @@ def test_planned_names_are_exactly_what_moves(tmp_path: Path) -> None:
     got = {c["key"]: (c["status"], c["annotated_layers"], c["annotated_bytes"]) for c in data["checks"]}
     assert got == {"name:query_proj": ("ok", LAYERS, LAYERS * BSD), "name:key_proj": ("ok", LAYERS, LAYERS * BSK)}
     assert data["annotated_bytes"] == LAYERS * (BSD + BSK)
-    # the memory model's second opinion (a tpu-v5e plan): a scan's offloads carry no warning
-    assert data["modeled_peak_bytes"] > 0 and data["warnings"] == []
+    # the memory model's second opinion (a tpu-v5e plan): a scan's offloads carry no warning; the only
+    # note is that the tiny step peaks on libtpu's VMEM heap (tests/passes/test_preopt_accuracy.py checks
+    # that note against libtpu's compiled module)
+    assert data["modeled_peak_bytes"] > 0
+    assert [w for w in data["warnings"] if not w.startswith(VMEM_NOTE)] == []
     assert "memory model (pre-optimization, TPU): peak" in invoke(tmp_path, plan)[1]
 
 
@@ -105,7 +109,8 @@ def test_unrolled_layers_count_the_same() -> None:
     # Unrolled: one annotation per layer, each once; under scan: one in the body, twice.
     assert sorted((a.shape, a.count) for a in result.annotations) == [("f32[2,32,32]", 1)] * 2 + [("f32[2,32,64]", 1)] * 2
     # ...but outside a loop libtpu copies each straight back: verify passes on it with a warning
-    assert len(result.warnings) == 1 and result.warnings[0].startswith("4 value(s) offloaded outside a loop")
+    offload_warnings = [w for w in result.warnings if not w.startswith(VMEM_NOTE)]
+    assert len(offload_warnings) == 1 and offload_warnings[0].startswith("4 value(s) offloaded outside a loop")
 
 
 @pytest.mark.slow
