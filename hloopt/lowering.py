@@ -209,7 +209,11 @@ def _lower_and_compile(jax: Any, jitted: Any, label: str, args: tuple[Any, ...],
     if compile == "cpu":
         devices = jax.devices("cpu")
     else:
-        topology, devices = _tpu_devices(compile, _mesh_size(args, kwargs))
+        own = _own_tpu_devices(args, kwargs)
+        if own is not None:  # placed on a topology's devices by the user (a shard_map's mesh is too)
+            topology, devices = own
+        else:
+            topology, devices = _tpu_devices(compile, _mesh_size(args, kwargs))
     placed_args, placed_kwargs = _place((args, kwargs), devices, compile)
     options: dict[str, Any] = {}
     if dump_dir is not None:
@@ -217,7 +221,8 @@ def _lower_and_compile(jax: Any, jitted: Any, label: str, args: tuple[Any, ...],
         options = {"xla_dump_to": os.fspath(dump_dir), "xla_dump_hlo_as_text": True}
     if not partitioned:
         try:
-            compiled = jitted.trace(*placed_args, **placed_kwargs).lower().compile(compiler_options=options)
+            compiled = _placed_lowering(jitted, placed_args, placed_kwargs, label, compile).compile(
+                compiler_options=options)
         except jax.errors.JaxRuntimeError as err:
             raise xla_error(err, compile) from err
         return _compiled_result(platform, hlo_text, compile, topology, compiled, dump_dir)
@@ -232,7 +237,8 @@ def _lower_and_compile(jax: Any, jitted: Any, label: str, args: tuple[Any, ...],
         before = set(where.iterdir())
         error = None
         try:
-            compiled = jitted.trace(*placed_args, **placed_kwargs).lower().compile(compiler_options=options)
+            compiled = _placed_lowering(jitted, placed_args, placed_kwargs, label, compile).compile(
+                compiler_options=options)
         except jax.errors.JaxRuntimeError as err:
             compiled, error = None, str(xla_error(err, compile))
         written = sorted(f for f in set(where.iterdir()) - before
@@ -522,6 +528,35 @@ def _named_meshes(tree: Any) -> list[Any]:
 def _mesh_size(*trees: Any) -> int:
     meshes = _named_meshes(trees)
     return max((m.size for m in meshes), default=1)
+
+
+def _placed_lowering(jitted: Any, args: Any, kwargs: Any, label: str, compile: str) -> Any:
+    """``jitted`` lowered for the compile target's devices. A mesh the step holds itself (a
+    ``shard_map``'s, a sharding constraint's) cannot be moved there: said in one line."""
+    try:
+        return jitted.trace(*args, **kwargs).lower()
+    except ValueError as err:
+        if "incompatible devices" not in str(err):
+            raise
+        raise UserError(f"{label}: the step holds a mesh of its own (shard_map, with_sharding_constraint) on "
+                        f"devices other than the {compile} ones its arguments were placed on, so it cannot be "
+                        "compiled for them: build that mesh from jax.experimental.topologies.get_topology_desc"
+                        "(...).devices and place the arguments on it, or leave out --compile (the TPU "
+                        "prediction needs no compile)") from err
+
+
+def _own_tpu_devices(*trees: Any) -> tuple[str, list[Any]] | None:
+    """The TPU devices the arguments are already sharded over (a mesh the user built from a
+    topology): compiling on the same device objects keeps a mesh captured inside the step (a
+    ``shard_map``'s) compatible with its arguments. None when no argument is on TPU devices."""
+    best = None
+    for mesh in _named_meshes(trees):
+        devs = list(mesh.devices.flat)
+        if devs and getattr(devs[0], "platform", "") == "tpu" and (best is None or len(devs) > len(best)):
+            best = devs
+    if best is None:
+        return None
+    return f"the step's own mesh ({len(best)} x {getattr(best[0], 'device_kind', 'TPU')})", best
 
 
 def _tpu_devices(compile: str, n_devices: int) -> tuple[str, list[Any]]:

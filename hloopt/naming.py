@@ -181,12 +181,15 @@ def offload_all_policy(names: Sequence[str]) -> Any:
 
 
 def lower_module(target: Any, *, policy: Any = None, platform: str = "tpu") -> Any:
-    """The pre-optimization HLO module of ``target`` (optionally rebuilt with ``policy=``)."""
+    """The pre-optimization HLO module of ``target`` (optionally rebuilt with ``policy=``), its
+    calls inlined as XLA inlines them: a layer the user wrapped in its own ``jax.jit``, or a
+    ``shard_map`` body, is a ``call`` in JAX's text, and its residuals are the step's."""
     from hloopt.hlo.parser import parse_module
     from hloopt.lowering import lower
+    from hloopt.passes.inline import inline_for_assignment
 
     lowered = lower(target, platform=platform, policy=policy)
-    return parse_module(lowered.hlo_text, filename=f"{target.name} (lowered)")
+    return inline_for_assignment(parse_module(lowered.hlo_text, filename=f"{target.name} (lowered)"))
 
 
 def offload_policy(names: Sequence[str], *, base: Any = None) -> Any:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Union, cast
 from hloopt.devices import DeviceProfile
 from hloopt.errors import UserError
 from hloopt.ir import Computation, Instruction, Module, Shape
-from hloopt.passes.opcodes import is_identity_call
+from hloopt.passes.opcodes import is_identity_call, is_shard_map_boundary
 
 if TYPE_CHECKING:
     from hloopt.naming import ResidualNames
@@ -212,13 +212,15 @@ def plan_per_device(target: Any, *, profile: DeviceProfile, budget: str | None =
 # its sharding. Shardings are written on entry parameters and ``Sharding`` custom-calls; they are
 # propagated forward (elementwise ops take the most-split operand, broadcast/transpose/reshape/
 # reduce/dot map dimensions, a dynamic-update-slice takes its update's split, tuples carry them
-# through). Loop state is the most split of the init and the body's result, to a fixed point (a
-# scan's gradient accumulator starts as replicated zeros and is added sharded gradients: it is
-# sharded, and so are the zeros broadcast into it), the way XLA's sharding propagation resolves the
-# common cases. Reshards the SPMD partitioner adds (all-gathers of a weight before a matmul) are
-# not modeled. A module that is already partitioned (:func:`is_partitioned`: XLA's per-device
-# module, shapes already shards) is not divided again. The TPU memory model
-# (:mod:`hloopt.passes.tpu.fusion`) sizes every value of a pre-optimization module with these.
+# through; a Shardy ``shard_map`` body sees its operands' shards, and its results are split by
+# their global over their per-device dims). Loop state is the most split of the init and the
+# body's result, to a fixed point (a scan's gradient accumulator starts as replicated zeros and is
+# added sharded gradients: it is sharded, and so are the zeros broadcast into it), the way XLA's
+# sharding propagation resolves the common cases. Reshards the SPMD partitioner adds (all-gathers
+# of a weight before a matmul) are not modeled. A module that is already partitioned
+# (:func:`is_partitioned`: XLA's per-device module, shapes already shards) is not divided again.
+# The TPU memory model (:mod:`hloopt.passes.tpu.fusion`) sizes every value of a pre-optimization
+# module with these.
 
 #: a sharding as tile counts: per array dimension, or nested per tuple element
 Split = Union[tuple[int, ...], tuple["Split", ...], None]
@@ -319,10 +321,11 @@ _PARTITIONED_OPS = frozenset({"partition-id", "all-reduce", "all-reduce-start", 
 def is_partitioned(module: Module) -> bool:
     """Whether ``module`` is already per-device (XLA's module after ``spmd-partitioning``): its
     shapes are shards and its ``sharding=`` attributes describe them, not divide them. Told by
-    collectives or a partition id without the ``Sharding`` markers of the global text."""
+    collectives or a partition id without the ``Sharding`` markers or Shardy ``shard_map``
+    boundaries of the global text (a shard_map body holds collectives of its own)."""
     seen_partitioned = False
     for inst in module.instructions():
-        if is_identity_call(inst):
+        if is_identity_call(inst) or is_shard_map_boundary(inst):
             return False
         if inst.opcode in _PARTITIONED_OPS:
             seen_partitioned = True
@@ -389,6 +392,18 @@ def propagate_shardings(module: Module) -> dict[Instruction, Split]:
             return split_element(s, k)
         if op == "tuple":
             return tuple(split.get(o) for o in inst.operands)
+        if is_shard_map_boundary(inst) and inst.shape.is_tuple:
+            # Into a shard_map body each operand arrives as its shard (whole on the device); out
+            # of it each result is split by global dim / the body's per-device dim.
+            elems: list[Split] = []
+            for o, el in zip(inst.operands, inst.shape.tuple_shapes):
+                if not (o.shape.is_array and el.is_array and len(o.shape.dims) == len(el.dims)):
+                    elems.append(None)
+                elif inst.custom_call_target.endswith("GlobalToLocalShape"):
+                    elems.append((1,) * len(el.dims))
+                else:
+                    elems.append(tuple(max(1, g // max(1, d)) for g, d in zip(el.dims, o.shape.dims)))
+            return tuple(elems)
         if op == "while":
             # Loop state takes the most split of what enters and what the body hands back (a
             # gradient accumulator starts as replicated zeros and is added sharded gradients),

@@ -7,7 +7,9 @@ positions that must share one allocation; its size is its largest defining value
 
 What aliases (everything else defines a value):
 
-* ``tuple`` {i,...} = operand i {...} (its {} is a fresh index table); ``get-tuple-element`` {...}
+* ``tuple`` {i,...} = operand i {...} (its {} is a fresh index table), and so a Shardy
+  ``shard_map`` boundary's (``GlobalToLocalShape``, ``LocalToGlobalShape``: per device the
+  operand is its own shard); ``get-tuple-element`` {...}
   = operand {k,...}; ``bitcast``, ``opt-barrier``, ``domain``, ``add-dependency`` = operand 0.
 * ``while``: body parameter, body root, condition parameter and the while's result share one
   buffer per shape index (the loop state), as XLA's copy insertion leaves them
@@ -54,7 +56,7 @@ from typing import ClassVar
 
 from hloopt.ir import HOST_MEMORY_SPACE, Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
-from hloopt.passes.opcodes import BARRIERS, CONTROL_FLOW
+from hloopt.passes.opcodes import BARRIERS, CONTROL_FLOW, is_shard_map_boundary
 
 ShapeIndex = tuple[int, ...]
 
@@ -274,7 +276,8 @@ class _Builder:
                 op = inst.opcode
                 if op == "while":
                     whiles.append(inst)
-                elif visit_all or op in _ALIASING_OPS or op.endswith(_ASYNC_SUFFIXES):
+                elif visit_all or op in _ALIASING_OPS or op.endswith(_ASYNC_SUFFIXES) \
+                        or is_shard_map_boundary(inst):
                     self.visit(inst)  # others define their values: nothing to alias
         # Loop state last, outer loops first: whether a slot needs a copy depends on which
         # buffers the init and the body root already are (copy insertion, module docstring).
@@ -289,7 +292,7 @@ class _Builder:
         ops = inst.operands
         if op == "get-tuple-element" and ops:
             self.alias_all(inst, ops[0], (inst.tuple_index,))
-        elif op == "tuple":
+        elif op == "tuple" or is_shard_map_boundary(inst):
             for k, o in enumerate(ops):
                 for idx in self._offsets(o)[0]:
                     self.alias(inst, (k,) + idx, o, idx)

@@ -72,6 +72,18 @@ def is_identity_call(inst: Instruction) -> bool:
     return inst.opcode == "custom-call" and inst.custom_call_target in IDENTITY_CALLS
 
 
+#: the ends of a ``shard_map`` body in text lowered with Shardy (JAX's default partitioner): a
+#: tuple of each operand's per-device shard (``GlobalToLocalShape``) and of each result's global
+#: array (``LocalToGlobalShape``). Once partitioned both are the operands themselves: element k of
+#: the result is operand k's storage, as a ``tuple``'s elements are.
+SHARD_MAP_BOUNDARIES = frozenset({"xla.sdy.GlobalToLocalShape", "xla.sdy.LocalToGlobalShape"})
+
+
+def is_shard_map_boundary(inst: Instruction) -> bool:
+    """A Shardy ``shard_map`` boundary: a custom-call whose result element k is operand k."""
+    return inst.opcode == "custom-call" and inst.custom_call_target in SHARD_MAP_BOUNDARIES
+
+
 def is_elementwise_dot(inst: Instruction) -> bool:
     """A dot that contracts nothing (``einsum("...hqk,h->...hqk")``, BERT's head mask): XLA's
     algebraic simplifier rewrites it as a multiply of broadcasts, elementwise, with no matmul
@@ -81,4 +93,5 @@ def is_elementwise_dot(inst: Instruction) -> bool:
 
 
 __all__ = ["ASYNC_COPIES", "BARRIERS", "COLLECTIVES", "CONTROL_FLOW", "ELEMENTWISE", "FUSIBLE", "IDENTITY_CALLS",
-           "TRANSCENDENTAL", "TUPLE_OPS", "VIEWS", "is_elementwise_dot", "is_identity_call"]
+           "SHARD_MAP_BOUNDARIES", "TRANSCENDENTAL", "TUPLE_OPS", "VIEWS", "is_elementwise_dot", "is_identity_call",
+           "is_shard_map_boundary"]

@@ -61,7 +61,7 @@ from hloopt.frameworks import FRAMEWORK_PACKAGES
 from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.loops import trip_count
-from hloopt.passes.opcodes import ASYNC_COPIES, BARRIERS, CONTROL_FLOW, VIEWS
+from hloopt.passes.opcodes import ASYNC_COPIES, BARRIERS, CONTROL_FLOW, VIEWS, is_identity_call, is_shard_map_boundary
 
 #: path fragments of library frames skipped when looking for the user's source line: JAX and the
 #: frameworks models are built with, by package path (``flax/linen/module.py``: lowering writes
@@ -455,12 +455,23 @@ def _find(module: Module, *, loss_output: int | None, hints: bool) -> ResidualSe
                 o in fwd or o in static for o in inst.operands):
             fwd.add(inst)
 
+    # The root and the tuples, their elements and the shard_map boundaries that only pass values
+    # to it: reading a value there is returning it, not a backward use.
+    to_root = {root}
+    stack = [root]
+    while stack:
+        for o in stack.pop().operands:
+            if o not in to_root and (o.opcode in ("tuple", "get-tuple-element") or is_shard_map_boundary(o)) \
+                    and all(u in to_root for u in o.users):
+                to_root.add(o)
+                stack.append(o)
+
     residuals: list[Residual] = []
     static_res: list[Instruction] = []
     for inst in order:
         if inst not in fwd or inst is root:
             continue
-        bwd_users = [u for u in inst.users if u not in fwd and u is not root and u.parent is entry]
+        bwd_users = [u for u in inst.users if u not in fwd and u not in to_root and u.parent is entry]
         if not bwd_users:
             continue
         if inst in static or inst.opcode in ("parameter", "constant", "iota"):
@@ -485,8 +496,8 @@ def _element_operands(src: Instruction, index: int) -> list[Instruction] | None:
     if not src.shape.is_tuple or index < 0:
         return None
     op = src.opcode
-    if op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all") and len(src.operands) == len(
-            src.shape.tuple_shapes):
+    if (op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all") or is_shard_map_boundary(src)) \
+            and len(src.operands) == len(src.shape.tuple_shapes):
         return [src.operands[index]]
     if op == "fusion":
         comp = src.callee("calls")
@@ -620,6 +631,19 @@ def _static_in(order: Sequence[Instruction], param_static, depth: int = 0) -> se
         elif op == "get-tuple-element" and inst.operands and inst.operands[0].opcode == "while":
             if inst.tuple_index in _static_loop_elements(inst.operands[0], static, depth):
                 static.add(inst)
+        elif is_identity_call(inst) and inst.operands:
+            # a sharding marker (GSPMD's Sharding, SPMDFullToShardShape): its operand, as XLA sees it
+            if inst.operands[0] in static:
+                static.add(inst)
+                if inst.operands[0] in const_only:
+                    const_only.add(inst)
+        elif op == "get-tuple-element" and inst.operands and is_shard_map_boundary(inst.operands[0]):
+            # a shard_map body's view of its operand k: static when that operand is (a weight's shard)
+            src = inst.operands[0].operands
+            if 0 <= inst.tuple_index < len(src) and src[inst.tuple_index] in static:
+                static.add(inst)
+                if src[inst.tuple_index] in const_only:
+                    const_only.add(inst)
         elif op in _SIDE_EFFECT_SOURCES or not inst.operands:
             continue
         elif all(o in const_only for o in inst.operands):

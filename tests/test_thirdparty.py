@@ -190,10 +190,9 @@ def test_residuals_of_unnamed_steps_have_no_names(step: str) -> None:
 
 @pytest.mark.parametrize("step", [
     pytest.param(s, marks=pytest.mark.xfail(strict=True, reason="levanter GPT-2 nests checkpoints (2 checkpointed "
-                                            "blocks of 2 scanned, checkpointed layers): a probe's offload sits in "
-                                            "a called computation find_residuals does not follow, and inlined it "
-                                            "offloads 2 stacks of 2 carries where the baseline saves 1 block "
-                                            "input: no residual that a name alone moves"))
+                                            "blocks of 2 scanned, checkpointed layers): a probe offloads 2 stacks "
+                                            "of 2 carries where the baseline saves 1 block input: no residual "
+                                            "that a name alone moves"))
     if s == "levanter_gpt2" else s for s, e in EXPECTED.items() if e[2]])
 def test_residuals_find_the_checkpoint_names(step: str) -> None:
     load(step)

@@ -10,6 +10,8 @@ model", items 3 and 4). Each factory is what a user would pass as ``file.py:make
 - :func:`equinox_checkpoint`: Equinox, ``eqx.filter_checkpoint`` per block, ``eqx.filter_jit`` step.
 - :func:`sharded_mesh`: plain JAX over a 2x2 v5e mesh (data x model), weights and batch sharded
   with ``NamedSharding``, ``jax.checkpoint`` with the user's policy.
+- :func:`shard_map_fsdp`: FSDP written by hand with ``jax.shard_map`` over the 4 chips (weights
+  all-gathered per layer inside ``jax.checkpoint``), from ``tests/test_shard_map.py``.
 
 Measured with libtpu 0.0.42.1, jax 0.10.2: predicted vs libtpu -1.0% (sharded) to +5.8% (linen,
 strict xfail); compiled modules exact but NNX's (-3.0%, strict xfail).
@@ -210,6 +212,15 @@ def sharded_mesh() -> tuple[Any, tuple[Any, ...]]:
     return jax.jit(step), (ws, jax.ShapeDtypeStruct((64, d), jnp.float32, sharding=NamedSharding(mesh, P("data", None))))
 
 
+def shard_map_fsdp() -> tuple[Any, tuple[Any, ...]]:
+    from jax.experimental import topologies
+
+    from tests.test_shard_map import shard_map_fsdp as program
+
+    topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+    return program(topo.devices, d=512, layers=4, batch=16, seq=256)
+
+
 #: libtpu keeps q/k/v of the last two blocks in VMEM through the backward and evicts the first
 #: two's; its VMEM heap peaks at 95 MiB where the model fills the 112 MiB MSA may use
 LINEN_VMEM = ("+5.8%: the peak is libtpu's VMEM heap (95 MiB); the model fills the 112 MiB memory-space "
@@ -219,7 +230,7 @@ NNX_COMPILED = ("-3.0%: libtpu reports 3.5 MiB more than arguments + outputs + i
                 "which is what the compiled module's buffers add up to")
 
 PROGRAMS = {"linen_named_bf16": linen_named_bf16, "nnx_scan": nnx_scan, "equinox_checkpoint": equinox_checkpoint,
-            "sharded_mesh": sharded_mesh}
+            "sharded_mesh": sharded_mesh, "shard_map_fsdp": shard_map_fsdp}
 
 
 def _lowered(name: str, **kw: Any):  # type: ignore[no-untyped-def]
@@ -235,7 +246,7 @@ def _lowered(name: str, **kw: Any):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("name", [
     pytest.param("linen_named_bf16", marks=pytest.mark.xfail(strict=True, reason=LINEN_VMEM)),
-    "nnx_scan", "equinox_checkpoint", "sharded_mesh"])
+    "nnx_scan", "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp"])
 def test_a_users_step_is_predicted_within_5_percent_of_libtpu(name: str) -> None:
     """Measured: NNX +2.1%, Equinox +0.7%, sharded -1.0% (per device, 4 chips), linen +5.8%."""
     from hloopt.analysis import analyze
@@ -250,7 +261,7 @@ def test_a_users_step_is_predicted_within_5_percent_of_libtpu(name: str) -> None
 
 @pytest.mark.parametrize("name", [
     "linen_named_bf16", pytest.param("nnx_scan", marks=pytest.mark.xfail(strict=True, reason=NNX_COMPILED)),
-    "equinox_checkpoint", "sharded_mesh"])
+    "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp"])
 def test_a_users_compiled_step_reads_as_libtpu_reports_it(name: str) -> None:
     """hloopt's figure for libtpu's own compiled module vs its ``memory_analysis()``: exact to
     1 KiB for linen, Equinox and the sharded step; NNX -3.0%."""

@@ -55,7 +55,7 @@ from typing import ClassVar
 from hloopt.ir import Instruction, Module
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
-from hloopt.passes.opcodes import CONTROL_FLOW, FUSIBLE, is_elementwise_dot, is_identity_call
+from hloopt.passes.opcodes import CONTROL_FLOW, FUSIBLE, is_elementwise_dot, is_identity_call, is_shard_map_boundary
 from hloopt.passes.residuals import offloaded_source
 from hloopt.passes.tpu.layout import activation_minor_dims, tpu_compact_bytes, tpu_layout_bytes
 from hloopt.passes.tpu.storage import bf16_stacks, bf16_stored, offloaded_into_stack
@@ -145,8 +145,8 @@ def fused_instructions(module: Module) -> set[Instruction]:
                 if u.is_root:
                     feeds_root = feeds_state = True
                     break
-                if u.opcode in _STATE_READERS:
-                    feeds_state = True
+                if u.opcode in _STATE_READERS or is_shard_map_boundary(u):
+                    feeds_state = True  # a shard_map boundary is a tuple of its operands
             if feeds_root and comp is entry:
                 continue  # a module output has its own allocation
             if feeds_state:
