@@ -408,3 +408,23 @@ def test_libtpu_busy_and_out_of_memory_are_one_line(tmp_path: Path) -> None:
     assert ours == [oom.stderr.splitlines()[-1]]
     assert ours[0].startswith("hloopt: error: the step does not fit tpu-v5e's memory: XLA says RESOURCE_EXHAUSTED")
     assert "(40.00G)" in ours[0]  # XLA's figure for 2 x 20 GiB
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+def test_a_step_whose_own_mesh_is_on_cpu_devices_cannot_be_compiled_for_tpu_and_says_so(tmp_path: Path) -> None:
+    # a shard_map over a mesh of this machine's CPU devices: hloopt places the arguments on v5e
+    # devices, which the mesh inside the step cannot follow
+    (tmp_path / "smap.py").write_text(
+        "import jax\nimport jax.numpy as jnp\nimport numpy as np\nfrom jax.sharding import Mesh, NamedSharding\n"
+        "from jax.sharding import PartitionSpec as P\n\n\ndef f():\n"
+        "    mesh = Mesh(np.array(jax.devices()[:2]), ('d',))\n"
+        "    step = jax.jit(jax.shard_map(lambda x: x * 2, mesh=mesh, in_specs=P('d'), out_specs=P('d')))\n"
+        "    return step, (jax.ShapeDtypeStruct((8, 128), jnp.float32, sharding=NamedSharding(mesh, P('d'))),)\n")
+    with open("/tmp/hloopt-tpu.flock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        r = hloopt("analyze", f"{tmp_path}/smap.py:f", "--compile", "tpu-v5e")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr, r.stderr
+    ours = [line for line in r.stderr.splitlines() if line.startswith("hloopt")]
+    assert len(ours) == 1 and ours[0] == r.stderr.splitlines()[-1]
+    assert ours[0].startswith(f"hloopt: error: {tmp_path}/smap.py:f: the step holds a mesh of its own"), ours[0]
