@@ -161,7 +161,7 @@ def settings_for(module: Module, *, platform: str | None = None, schedule: str |
         return {"kind": "tpu-compiled", "libtpu": version, "schedule": schedule or "module",
                 "materialize": "all", "alignment_bytes": 512, "outputs_whole_program": True,
                 "static_allocations": True, "code_bytes": 0, "reuse_output_allocations": reuse,
-                "on_chip_heap": True, "prefetch_at_offload": False}
+                "on_chip_heap": True, "prefetch_at_offload": False, "share_dying_operands": True}
     if module.is_scheduled:
         return {"kind": "compiled", "schedule": schedule or "module", "materialize": "all",
                 "alignment_bytes": 0, "outputs_whole_program": False, "static_allocations": False,
@@ -271,6 +271,7 @@ def peak_memory_pass(settings: Mapping[str, Any], *, top: int = 10, on_chip_byte
                       reuse_output_allocations=s["reuse_output_allocations"],
                       on_chip_heap=s["on_chip_heap"], off_device=off_device,
                       prefetch_at_offload=s["prefetch_at_offload"],
+                      share_dying_operands=s.get("share_dying_operands", False),
                       **({} if on_chip_bytes is None else {"on_chip_bytes": on_chip_bytes}))
 
 

@@ -74,6 +74,7 @@ from hloopt.ir import HOST_MEMORY_SPACE, ON_CHIP_MEMORY_SPACE, Instruction, Modu
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
 from hloopt.passes.liveness import Liveness, LiveRanges
+from hloopt.passes.opcodes import ELEMENTWISE, TRANSCENDENTAL
 from hloopt.passes.residuals import is_device_annotation, offloaded_source
 
 CATEGORIES: tuple[str, ...] = ("parameters", "optimizer state", "inputs", "gradients", "activations",
@@ -180,6 +181,11 @@ class PeakMemory(Analysis[MemoryProfile]):
     #: it (outside loops; module docstring): the device copy a ``device`` annotation makes is
     #: live from its ``pinned_host`` annotation on, not from where the backward pass reads it
     prefetch_at_offload: bool = False
+    #: XLA's heap simulator gives a fusion's output the buffer of an operand that dies there when
+    #: the fused computation reads that operand only elementwise (:func:`heap_shared_operands`):
+    #: the two are one allocation, counted once at the fusion (compiled modules, whose fusions
+    #: are known)
+    share_dying_operands: bool = False
 
     def run(self, module: Module, am: AnalysisManager) -> MemoryProfile:
         lr = am.get(self.liveness)
@@ -192,6 +198,10 @@ class PeakMemory(Analysis[MemoryProfile]):
         sizes = lr.size_bytes
         start, end = list(lr.start), list(lr.end)
         static = 0
+        if self.share_dying_operands:
+            for bid in heap_shared_operands(lr):
+                at = start[bid]
+                start[bid] = at + 1 if end[bid] > at else -1  # the operand's allocation holds it at ``at``
         if self.static_allocations:
             for b in lr.buffers:
                 if start[b.id] >= 0 and b.on_device and _is_constant(b):
@@ -332,6 +342,73 @@ def _peak(intervals: list[tuple[int, int, int]]) -> int:
         run += delta
         peak = max(peak, run)
     return peak
+
+
+def heap_shared_operands(lr: LiveRanges) -> list[int]:
+    """Buffers defined by a fusion that takes the buffer of one of its operands dying there.
+
+    XLA's heap simulator lets an instruction's output share the chunk of an operand buffer freed
+    at that instruction when ``CanShareOperandBufferWithUser`` holds. For a fusion libtpu allows
+    it when the fused computation reads that operand only through element-wise ops (the generic
+    ``AreTransitiveUsesElementwiseOrTuple``), whatever the fusion's kind: a transformer's MLP
+    backward, a ``kOutput`` fusion of the second matmul's gradient with the gelu derivative,
+    writes its bf16 ``[B, S, 4D]`` result over the saved ``x @ w1`` it reads (one allocation for
+    both in libtpu 0.0.42's buffer assignment). Operand and output must have one shape, layout
+    and memory space; the operand a temporary (not an argument, output or constant), read by
+    nothing later. Each operand buffer is taken once. HBM only: memory-space assignment places
+    the VMEM (``S(1)``) values itself, and counting such shares there takes 1% off the VMEM-bound
+    tiny sharded step libtpu 0.0.52 compiles exactly as counted without them."""
+    taken: set[int] = set()
+    out: list[int] = []
+    buffer_at = lr.aliasing.position_buffers
+    for b in lr.buffers:
+        s = lr.start[b.id]
+        if s < 0 or b.memory_space != 0 or b.parameter >= 0 or b.output_indices or b.is_tuple_table \
+                or b.index != () or len(b.values) != 1:
+            continue
+        inst = lr.steps[s]
+        if inst is not b.instruction or inst.opcode != "fusion":
+            continue
+        comp = inst.callee("calls")
+        if comp is None:
+            continue
+        shape_text = str(inst.shape)
+        for k, operand in enumerate(inst.operands):
+            obs = buffer_at.get(operand, ())
+            if len(obs) != 1 or obs[0] in taken:
+                continue
+            ob = lr.buffers[obs[0]]
+            if lr.end[ob.id] != s or ob.parameter >= 0 or ob.output_indices or ob.memory_space != b.memory_space \
+                    or lr.size_bytes[ob.id] != lr.size_bytes[b.id] or str(operand.shape) != shape_text \
+                    or operand.opcode in ("constant", "parameter"):
+                continue
+            if k < len(comp.parameters) and _elementwise_uses(comp.parameters[k]):
+                taken.add(ob.id)
+                out.append(b.id)
+                break
+    return out
+
+
+#: what a fused parameter may pass through and still be read element-wise
+_ELEMENTWISE_READS = ELEMENTWISE | TRANSCENDENTAL
+
+
+def _elementwise_uses(param: Instruction) -> bool:
+    """Whether every transitive use of ``param`` in its computation is element-wise (same dims)
+    or the root tuple (XLA's ``AreTransitiveUsesElementwiseOrTuple``)."""
+    todo, seen = [param], {param}
+    while todo:
+        v = todo.pop()
+        for u in v.users:
+            if u in seen:
+                continue
+            if u.opcode == "tuple" and u.is_root:
+                continue
+            if u.opcode not in _ELEMENTWISE_READS or not u.shape.is_array or u.shape.dims != param.shape.dims:
+                return False
+            seen.add(u)
+            todo.append(u)
+    return True
 
 
 #: instructions that never write over their operand's buffer

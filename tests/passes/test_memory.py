@@ -122,3 +122,52 @@ def test_libtpu_reports_the_on_chip_heap_when_it_peaks_higher() -> None:
     small_chip = ON_CHIP.replace("f32[4,256]{1,0:S(1)} broadcast", "f32[1,256]{1,0:S(1)} broadcast")
     assert profile(small_chip, outputs_whole_program=True, on_chip_heap=True).peak_bytes == \
         profile(small_chip, outputs_whole_program=True).peak_bytes
+
+
+SHARE = """
+HloModule m, is_scheduled=true
+
+fused_grad {
+  a = f32[256,256]{1,0} parameter(0)
+  g = f32[256,256]{1,0} parameter(1)
+  w = f32[256,256]{1,0} parameter(2)
+  d = f32[256,256]{1,0} dot(g, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  t = f32[256,256]{1,0} tanh(a)
+  ROOT m = f32[256,256]{1,0} multiply(d, t)
+}
+
+fused_transposed {
+  a = f32[256,256]{1,0} parameter(0)
+  g = f32[256,256]{1,0} parameter(1)
+  w = f32[256,256]{1,0} parameter(2)
+  d = f32[256,256]{1,0} dot(g, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  t = f32[256,256]{0,1} transpose(a), dimensions={1,0}
+  ROOT m = f32[256,256]{1,0} multiply(d, t)
+}
+
+ENTRY e {
+  x = f32[256,256]{1,0} parameter(0)
+  w = f32[256,256]{1,0} parameter(1)
+  a = f32[256,256]{1,0} exponential(x)
+  g = f32[256,256]{1,0} negate(x)
+  o = f32[256,256]{1,0} fusion(a, g, w), kind=kOutput, calls=FUSED
+  k = f32[256,256]{1,0} negate(o)
+  ROOT r = (f32[256,256]{1,0}) tuple(k)
+}"""
+
+
+def test_a_fusion_reading_a_dying_operand_elementwise_takes_its_buffer() -> None:
+    # steps x0 w1 a2 g3 o4 k5 r6; every array is 256 KiB. At o, a (read only through tanh and a
+    # multiply) and g (read by the dot) die: XLA's heap simulator gives the temporary o a's
+    # chunk, not g's (a dot reads it)
+    kib = 256 * 1024
+    plain = profile(SHARE.replace("FUSED", "fused_grad"))
+    assert plain.peak_bytes == 5 * kib and plain.peak_step == 4  # x w a g o
+    shared = profile(SHARE.replace("FUSED", "fused_grad"), share_dying_operands=True)
+    assert shared.peak_bytes == 4 * kib and shared.timeline_bytes[4] == 4 * kib
+    # a transpose is no element-wise read: no sharing
+    other = profile(SHARE.replace("FUSED", "fused_transposed"), share_dying_operands=True)
+    assert other.peak_bytes == 5 * kib
+    # nor when the operand is read after the fusion
+    later = SHARE.replace("FUSED", "fused_grad").replace("negate(o)", "add(o, a)")
+    assert profile(later, share_dying_operands=True).timeline_bytes[4] == 5 * kib
