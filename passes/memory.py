@@ -134,6 +134,9 @@ class MemoryProfile:
     #: predicted memory-space assignment only: per flat step, the VMEM side of the accounting
     #: (``fixed + VMEM heap(t)``, module docstring), which no HBM decision lowers
     on_chip_timeline_bytes: list[int] | None = field(default=None, repr=False)
+    #: predicted memory-space assignment only: the HBM bytes the temporaries placed in VMEM take
+    #: off the device heap at the peak step
+    on_chip_relief_bytes: int = 0
 
     @property
     def peak_instruction(self) -> Instruction:
@@ -273,6 +276,7 @@ class PeakMemory(Analysis[MemoryProfile]):
 
             # copies from host memory land in HBM (module docstring): counted there, not packed
             pinned = {bid for bid in movable if any(is_device_annotation(i) for i, _ in lr.buffers[bid].values)}
+            unplaced = list(accumulate(diff[:-1]))  # every temporary in HBM: what VMEM relieves is measured against it
             for bid in movable - pinned:  # counted by the MSA model, not as HBM bytes
                 diff[start[bid]] -= sizes[bid]
                 diff[end[bid] + 1] += sizes[bid]
@@ -283,6 +287,7 @@ class PeakMemory(Analysis[MemoryProfile]):
                                                on_chip_sizes=activation_minor_sizes(lr, movable))
             timeline = [max(h, v) for h, v in zip(hbm_side, on_chip_side)]
         else:
+            unplaced = None
             on_chip_side = None
             timeline = [base + x for x in accumulate(diff[:-1])]
         host_timeline = list(accumulate(hdiff[:-1]))
@@ -311,6 +316,8 @@ class PeakMemory(Analysis[MemoryProfile]):
             categories={k: v for k, v in by_cat.items() if v}, top=top, category_of=cats,
             counted_start=start, counted_end=end, absorbed=frozenset(absorbed),
             on_chip_timeline_bytes=on_chip_side,
+            on_chip_relief_bytes=max(0, base + unplaced[peak_step] - hbm_side[peak_step])
+            if unplaced and timeline else 0,
         )
 
 
