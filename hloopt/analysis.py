@@ -351,10 +351,10 @@ def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[s
                      "peak: -12% to +6% of libtpu, docs/measurements.md)")
     elif chip and prof.on_chip_relief_bytes >= 0.05 * prof.peak_bytes:
         # an HBM peak that holds only because the model puts temporaries in VMEM there: MSA may
-        # keep fewer (a Pallas flash-attention step: 66 of 112 MiB at its HBM peak, -8.0%)
+        # keep fewer (a Pallas flash-attention step: 66 of 112 MiB at its HBM peak, -6.0%)
         notes.append(f"the HBM peak assumes memory-space assignment holds {prof.on_chip_relief_bytes / 2**20:.0f} "
                      "MiB of the step's temporaries in VMEM there, the most it may; libtpu may evict more to "
-                     "HBM (steps measured with an HBM peak: -8.0% to +2.7% of libtpu, docs/measurements.md)")
+                     "HBM (steps measured with an HBM peak: -7.0% to +6.6% of libtpu, docs/measurements.md)")
     eager = sum(1 for i in steps if offloaded_source(i) is not None)
     if eager:
         notes.append(f"{eager} value(s) offloaded outside a loop: libtpu copies them back right after "

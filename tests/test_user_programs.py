@@ -10,14 +10,15 @@ model", items 3 and 4). Each factory is what a user would pass as ``file.py:make
 - :func:`equinox_checkpoint`: Equinox, ``eqx.filter_checkpoint`` per block, ``eqx.filter_jit`` step.
 - :func:`sharded_mesh`: plain JAX over a 2x2 v5e mesh (data x model), weights and batch sharded
   with ``NamedSharding``, ``jax.checkpoint`` with the user's policy.
+- :func:`mlp_adamw`: a plain f32 MLP stack, ``jax.checkpoint(policy=dots_saveable)``, ``optax.adamw``.
 - :func:`flash_attention`: bf16 transformer layers calling the Pallas TPU flash-attention kernel
   (``jax.experimental.pallas.ops.tpu``) under ``jax.checkpoint`` with a dots policy.
 - :func:`shard_map_fsdp`: FSDP written by hand with ``jax.shard_map`` over the 4 chips (weights
   all-gathered per layer inside ``jax.checkpoint``), from ``tests/test_shard_map.py``.
 
 Measured with libtpu 0.0.42.1, jax 0.10.2: predicted vs libtpu -1.0% (sharded) to +2.1% (NNX);
-strict xfails: linen +5.8% and flash attention -8.0% (what libtpu's memory-space assignment keeps
-in VMEM); compiled modules exact but NNX's (-3.0%, strict xfail).
+strict xfails: linen +5.8%, flash attention -6.0% and the MLP with AdamW +6.6% (what libtpu's
+memory-space assignment keeps in VMEM); compiled modules exact but NNX's (-3.0%, strict xfail).
 """
 
 from __future__ import annotations
@@ -215,6 +216,35 @@ def sharded_mesh() -> tuple[Any, tuple[Any, ...]]:
     return jax.jit(step), (ws, jax.ShapeDtypeStruct((64, d), jnp.float32, sharding=NamedSharding(mesh, P("data", None))))
 
 
+def mlp_adamw() -> tuple[Any, tuple[Any, ...]]:
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    d, layers = 1024, 4
+
+    def mlp(x, w1, w2):  # type: ignore[no-untyped-def]
+        return x + jax.nn.relu(x @ w1) @ w2
+
+    layer = jax.checkpoint(mlp, policy=jax.checkpoint_policies.dots_saveable)
+
+    def loss(ws, x):  # type: ignore[no-untyped-def]
+        for w1, w2 in ws:
+            x = layer(x, w1, w2)
+        return (x**2).mean()
+
+    opt = optax.adamw(1e-3)
+
+    def step(ws, st, x):  # type: ignore[no-untyped-def]
+        value, g = jax.value_and_grad(loss)(ws, x)
+        u, st = opt.update(g, st, ws)
+        return optax.apply_updates(ws, u), st, value
+
+    ws = [(jax.ShapeDtypeStruct((d, 4 * d), jnp.float32), jax.ShapeDtypeStruct((4 * d, d), jnp.float32))
+          for _ in range(layers)]
+    return jax.jit(step), (ws, jax.eval_shape(opt.init, ws), jax.ShapeDtypeStruct((8, 512, d), jnp.float32))
+
+
 def flash_attention() -> tuple[Any, tuple[Any, ...]]:
     import jax
     import jax.numpy as jnp
@@ -261,8 +291,12 @@ def shard_map_fsdp() -> tuple[Any, tuple[Any, ...]]:
 
 #: at the HBM peak (the last layer's forward flash-attention call) libtpu's VMEM holds 66 of its
 #: 112 MiB; the earlier layers' saved x @ w1 (32 MiB each) are evicted to HBM
-FLASH_VMEM = ("-8.0%: Pallas flash attention in bf16; at the HBM peak libtpu's memory-space assignment holds "
+FLASH_VMEM = ("-6.0%: Pallas flash attention in bf16; at the HBM peak libtpu's memory-space assignment holds "
               "66 MiB in VMEM, the model 112 MiB (the earlier layers' saved x @ w1 go to HBM)")
+#: the model's HBM peak is the last layer's backward with all four saved x @ w1 (64 MiB each) and
+#: that layer's backward matmul beside the 112 MiB it places in VMEM; libtpu's peaks 64 MiB lower
+MLP_ADAMW = ("+6.6%: f32 MLP, dots_saveable, AdamW: the model's HBM peak (the last layer's backward: four saved "
+             "x @ w1 and a backward matmul beside 112 MiB in VMEM) is 64 MiB over libtpu's, at an AdamW update")
 #: libtpu keeps q/k/v of the last two blocks in VMEM through the backward and evicts the first
 #: two's; its VMEM heap peaks at 95 MiB where the model fills the 112 MiB MSA may use
 LINEN_VMEM = ("+5.8%: the peak is libtpu's VMEM heap (95 MiB); the model fills the 112 MiB memory-space "
@@ -272,7 +306,8 @@ NNX_COMPILED = ("-3.0%: libtpu reports 3.5 MiB more than arguments + outputs + i
                 "which is what the compiled module's buffers add up to")
 
 PROGRAMS = {"linen_named_bf16": linen_named_bf16, "nnx_scan": nnx_scan, "equinox_checkpoint": equinox_checkpoint,
-            "sharded_mesh": sharded_mesh, "shard_map_fsdp": shard_map_fsdp, "flash_attention": flash_attention}
+            "sharded_mesh": sharded_mesh, "shard_map_fsdp": shard_map_fsdp, "flash_attention": flash_attention,
+            "mlp_adamw": mlp_adamw}
 
 
 def _lowered(name: str, **kw: Any):  # type: ignore[no-untyped-def]
@@ -289,11 +324,12 @@ def _lowered(name: str, **kw: Any):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("name", [
     pytest.param("linen_named_bf16", marks=pytest.mark.xfail(strict=True, reason=LINEN_VMEM)),
     "nnx_scan", "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp",
-    pytest.param("flash_attention", marks=pytest.mark.xfail(strict=True, reason=FLASH_VMEM))])
+    pytest.param("flash_attention", marks=pytest.mark.xfail(strict=True, reason=FLASH_VMEM)),
+    pytest.param("mlp_adamw", marks=pytest.mark.xfail(strict=True, reason=MLP_ADAMW))])
 def test_a_users_step_is_predicted_within_5_percent_of_libtpu(name: str) -> None:
     """Measured: NNX +2.1%, Equinox +0.7%, sharded -1.0% (per device, 4 chips), shard_map -0.00%,
-    linen +5.8%, flash attention -8.0%. Where the peak rests on what the model places in VMEM,
-    ``analyze`` says so (the linen and flash-attention misses)."""
+    linen +5.8%, flash attention -6.0%, MLP with AdamW +6.6%. Where the peak rests on what the
+    model places in VMEM, ``analyze`` says so (the three misses)."""
     from hloopt.analysis import analyze
     from hloopt.hlo.parser import parse_module
 
@@ -305,7 +341,8 @@ def test_a_users_step_is_predicted_within_5_percent_of_libtpu(name: str) -> None
 
 
 @pytest.mark.parametrize("name, note", [("linen_named_bf16", "the peak is libtpu's on-chip VMEM heap"),
-                                         ("flash_attention", "the HBM peak assumes memory-space assignment holds")])
+                                         ("flash_attention", "the HBM peak assumes memory-space assignment holds"),
+                                         ("mlp_adamw", "the HBM peak assumes memory-space assignment holds")])
 def test_where_a_miss_rests_on_vmem_analyze_says_so(name: str, note: str) -> None:
     from hloopt.analysis import analyze
     from hloopt.hlo.parser import parse_module
@@ -316,7 +353,7 @@ def test_where_a_miss_rests_on_vmem_analyze_says_so(name: str, note: str) -> Non
 
 @pytest.mark.parametrize("name", [
     "linen_named_bf16", pytest.param("nnx_scan", marks=pytest.mark.xfail(strict=True, reason=NNX_COMPILED)),
-    "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp", "flash_attention"])
+    "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp", "flash_attention", "mlp_adamw"])
 def test_a_users_compiled_step_reads_as_libtpu_reports_it(name: str) -> None:
     """hloopt's figure for libtpu's own compiled module vs its ``memory_analysis()``: exact to
     1 KiB for linen, Equinox and the sharded step; NNX -3.0%."""

@@ -162,6 +162,25 @@ def fused_instructions(module: Module) -> set[Instruction]:
     return out
 
 
+def marked_matmuls(module: Module, fused: set[Instruction]) -> set[Instruction]:
+    """Dots and convolutions whose only reader is a materialized ``reduce-precision``: libtpu
+    computes the two as one output fusion (``convolution_reduce-precision_fusion`` in its
+    compiled modules) whose buffer is the reduce-precision's, so the matmul holds none. JAX writes
+    this pattern for every value a checkpoint policy saves (the identity ``reduce-precision`` that
+    keeps XLA from merging it with its recomputation): without the rule a saved matmul result was
+    counted twice wherever the schedule put the marker after other work."""
+    out: set[Instruction] = set()
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            if inst.opcode != "reduce-precision" or inst in fused or not inst.operands:
+                continue
+            src = inst.operands[0]
+            if src.opcode in ("dot", "convolution") and len(src.users) == 1 and not src.is_root \
+                    and src.shape == inst.shape:
+                out.add(src)
+    return out
+
+
 def is_sliced_window(inst: Instruction) -> bool:
     """A dynamic-slice read only by static slices (through reshapes): XLA's algebraic simplifier folds each
     ``slice(dynamic-slice(x))`` into a dynamic-slice of ``x``, so the window itself is never
@@ -412,11 +431,13 @@ class TpuFusion(Analysis[FusionPlan]):
         copies = convolution_input_copies(module)
         fused -= copies.keys()
         fused -= cap_fusion_inputs(module, fused)
+        fused |= marked_matmuls(module, fused)
         narrowed = bf16_stored(module, fused)
         return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
                           frozenset(narrowed), copies)
 
 
 __all__ = ["MAX_FUSION_INPUTS", "FusionPlan", "TpuFusion", "cap_fusion_inputs", "convolution_input_copies",
+           "marked_matmuls",
            "fused_instructions", "is_invariant_state_view", "is_one_hot_scatter", "is_sliced_window",
            "is_tiled_bitcast", "layout_boundaries"]

@@ -56,3 +56,34 @@ def test_a_chain_over_the_bound_is_materialized_where_it_reaches_it(leaves: int)
     # so no materialized instruction reads more than the bound through fused chains, and the
     # list schedule still orders every instruction
     assert len(list_schedule(mod.entry, plan.fused)) == len(mod.entry.instructions)
+
+
+MARKED = """
+HloModule marked
+
+ENTRY main {
+  x = f32[256,512] parameter(0)
+  w = f32[512,1024] parameter(1)
+  h = f32[256,1024] dot(x, w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  m = f32[256,1024] reduce-precision(h), exponent_bits=8, mantissa_bits=23
+  t = (f32[256,1024]) tuple(m)
+  b = (f32[256,1024]) opt-barrier(t)
+  g = f32[256,1024] get-tuple-element(b), index=0
+  ROOT r = f32[256,1024] READ
+}
+"""
+
+
+def test_a_saved_matmul_and_its_precision_marker_are_one_buffer() -> None:
+    from hloopt.passes.tpu.fusion import marked_matmuls
+
+    # h has a second reader: libtpu keeps its buffer, and the marker (read by the checkpoint's
+    # tuple) has one of its own
+    mod = parse_module(MARKED.replace("READ", "add(g, h)"))
+    assert marked_matmuls(mod, fused_instructions(mod)) == set()
+    # the marker is h's only reader: the dot is computed into the marker's buffer (libtpu's
+    # convolution_reduce-precision_fusion), one buffer where there were two
+    mod = parse_module(MARKED.replace("READ", "negate(g)"))
+    plan = AnalysisManager(mod).get(TpuFusion())
+    assert mod.entry["m"] not in plan.fused and mod.entry["h"] in plan.fused
+    assert plan.value_bytes(mod.entry["h"]) == 0 and plan.value_bytes(mod.entry["m"]) == 256 * 1024 * 4
