@@ -549,8 +549,12 @@ def _own_tpu_devices(*trees: Any) -> tuple[str, list[Any]] | None:
     """The TPU devices the arguments are already sharded over (a mesh the user built from a
     topology): compiling on the same device objects keeps a mesh captured inside the step (a
     ``shard_map``'s) compatible with its arguments. None when no argument is on TPU devices."""
+    from jax.sharding import Mesh
+
     best = None
     for mesh in _named_meshes(trees):
+        if not isinstance(mesh, Mesh):  # an AbstractMesh holds no devices: placed on the target's
+            continue
         devs = list(mesh.devices.flat)
         if devs and getattr(devs[0], "platform", "") == "tpu" and (best is None or len(devs) > len(best)):
             best = devs

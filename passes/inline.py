@@ -19,11 +19,12 @@ the shape of its root are unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
+from hloopt.ir import Computation, Instruction, Metadata, Module, Shape, gc_paused
 
 _new_instruction = object.__new__
 
@@ -50,6 +51,17 @@ def _copy(inst: Instruction, name: str, shape: Shape | None = None) -> Instructi
     new.span = inst.span
     new.is_unknown = inst.is_unknown
     return new
+
+
+def _locate_at(inst: Instruction, site: Metadata) -> None:
+    """Give an inlined instruction that carries no source location its call's: JAX writes none
+    for some ops of a function it lowers once and calls (``take_along_axis``'s select), and the
+    call site is where the user's program asked for them."""
+    md = inst.metadata
+    if md.source_file or md.stack_frame_id:
+        return
+    inst._metadata = dataclasses.replace(md, source_file=site.source_file, source_line=site.source_line,
+                                         stack_frame_id=site.stack_frame_id)
 
 
 class _Inliner:
@@ -82,10 +94,13 @@ class _Inliner:
             params = {p.parameter_number: p for p in callee.instructions if p.opcode == "parameter"}
             for num, p in params.items():
                 inner[p] = env[inst.operands[num]]
+            site = inst.metadata
             for ci in callee.instructions:
                 if ci.opcode == "parameter":
                     continue
                 self._emit(comp, ci, inner, f"{prefix}{inst.name}.")
+                if (site.source_file or site.stack_frame_id) and ci.opcode != "call":
+                    _locate_at(comp.instructions[-1], site)
             env[inst] = inner[callee.root]  # type: ignore[index]
             return
         new = _copy(inst, prefix + inst.name, self.shape_of(inst) if self.shape_of is not None else None)

@@ -63,3 +63,25 @@ def test_zoo_has_no_calls_after_inlining(model):
     assert new.entry.root.shape == mod.entry.root.shape
     kept = {i.name for i in mod.entry.instructions if i.opcode != "call"}
     assert kept <= set(new.entry.by_name)
+
+
+def test_an_inlined_instruction_without_a_location_takes_its_calls() -> None:
+    # JAX writes no location on some ops of a function it lowers once and calls (take_along_axis'
+    # select): inlined, they are where the call is; ops with their own location keep it
+    mod = parse_module("""
+HloModule m
+
+f {
+  a = f32[4] parameter(0)
+  s = f32[4] negate(a)
+  ROOT t = f32[4] exponential(s), metadata={op_name="exp" source_file="lib.py" source_line=7}
+}
+
+ENTRY e {
+  p = f32[4] parameter(0)
+  ROOT c = f32[4] call(p), to_apply=f, metadata={op_name="jit(f)" source_file="model.py" source_line=42}
+}
+""")
+    out = inline_calls(mod)
+    assert out.source_of(out.entry["c.s"]) == ("model.py", 42)
+    assert out.source_of(out.entry["c.t"]) == ("lib.py", 7)
