@@ -631,18 +631,10 @@ def _static_in(order: Sequence[Instruction], param_static, depth: int = 0) -> se
         elif op == "get-tuple-element" and inst.operands and inst.operands[0].opcode == "while":
             if inst.tuple_index in _static_loop_elements(inst.operands[0], static, depth):
                 static.add(inst)
-        elif is_identity_call(inst) and inst.operands:
-            # a sharding marker (GSPMD's Sharding, SPMDFullToShardShape): its operand, as XLA sees it
-            if inst.operands[0] in static:
+        elif (viewed := _sharding_view_of(inst)) is not None:
+            if viewed in static:
                 static.add(inst)
-                if inst.operands[0] in const_only:
-                    const_only.add(inst)
-        elif op == "get-tuple-element" and inst.operands and is_shard_map_boundary(inst.operands[0]):
-            # a shard_map body's view of its operand k: static when that operand is (a weight's shard)
-            src = inst.operands[0].operands
-            if 0 <= inst.tuple_index < len(src) and src[inst.tuple_index] in static:
-                static.add(inst)
-                if src[inst.tuple_index] in const_only:
+                if viewed in const_only:
                     const_only.add(inst)
         elif op in _SIDE_EFFECT_SOURCES or not inst.operands:
             continue
@@ -662,6 +654,18 @@ def _static_in(order: Sequence[Instruction], param_static, depth: int = 0) -> se
                     op in _CHEAP_OPS or len(inst.operands) > 1 or op in ("convert", "negate")):
                 static.add(inst)
     return static
+
+
+def _sharding_view_of(inst: Instruction) -> Instruction | None:
+    """The value a sharding marker stands for as XLA partitions it: a GSPMD marker's (``Sharding``,
+    ``SPMDFullToShardShape``) operand, or operand k for element k of a Shardy ``shard_map``
+    boundary (a weight's shard inside the body). None for anything else."""
+    if is_identity_call(inst) and inst.operands:
+        return inst.operands[0]
+    if inst.opcode == "get-tuple-element" and inst.operands and is_shard_map_boundary(inst.operands[0]):
+        src = inst.operands[0].operands
+        return src[inst.tuple_index] if 0 <= inst.tuple_index < len(src) else None
+    return None
 
 
 def _static_loop_elements(loop: Instruction, outer_static: set[Instruction], depth: int) -> frozenset[int]:

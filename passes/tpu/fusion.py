@@ -167,8 +167,7 @@ def marked_matmuls(module: Module, fused: set[Instruction]) -> set[Instruction]:
     computes the two as one output fusion (``convolution_reduce-precision_fusion`` in its
     compiled modules) whose buffer is the reduce-precision's, so the matmul holds none. JAX writes
     this pattern for every value a checkpoint policy saves (the identity ``reduce-precision`` that
-    keeps XLA from merging it with its recomputation): without the rule a saved matmul result was
-    counted twice wherever the schedule put the marker after other work."""
+    keeps XLA from merging it with its recomputation)."""
     out: set[Instruction] = set()
     for comp in module.computations.values():
         for inst in comp.instructions:
