@@ -15,7 +15,8 @@ How XLA counts, and the switches that reproduce it (measured on the zoo, see tes
   heap, whichever peaks higher (``on_chip_heap``): for the tiny zoo models it is VMEM; at size
   ``small`` VMEM for mlp and gpt2, HBM for convnet and llama. The VMEM figure replays
   memory-space assignment's heap trace, one allocation per value and no sharing, so a value a
-  loop writes in place counts twice where it is written (:func:`on_chip_rewrites`). Generated
+  loop carries lives per value, and one written in place counts twice where it is written
+  (:func:`on_chip_value_ranges`). Generated
   code and thread-local scratch are not in it. Outputs get their
   own allocations (live the whole program: ``outputs_whole_program``), every HBM buffer is
   512-byte aligned (``alignment_bytes`` in Liveness), constants are static allocations
@@ -250,17 +251,17 @@ class PeakMemory(Analysis[MemoryProfile]):
         elif self.on_chip_heap:
             temp = [b for b in lr.buffers if start[b.id] >= 0 and b.parameter < 0 and not b.output_indices]
             device_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp if b.memory_space == 0])
-            rewritten = [(t, t, n) for t, n in on_chip_rewrites(lr, start)]
+            per_value = on_chip_value_ranges(lr, start, end)
             chip_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp
-                               if b.memory_space == ON_CHIP_MEMORY_SPACE] + rewritten)
+                               if b.memory_space == ON_CHIP_MEMORY_SPACE] + per_value)
             if chip_peak > device_peak:
                 spaces = (0, ON_CHIP_MEMORY_SPACE)
                 for b in temp:
                     if b.memory_space == 0:
                         start[b.id] = -1
-                for t, _, n in rewritten:
-                    diff[t] += n
-                    diff[t + 1] -= n
+                for first, last, n in per_value:
+                    diff[first] += n
+                    diff[last + 1] -= n
 
         for b in lr.buffers:
             s = start[b.id]
@@ -357,32 +358,47 @@ def _peak(intervals: list[tuple[int, int, int]]) -> int:
     return peak
 
 
-#: instructions that define no storage of their own: their values are views of their operands
-#: or the loop's and call's values
-_VIEWS = frozenset({"tuple", "get-tuple-element", "bitcast", "while", "conditional", "call", "parameter",
-                    "copy-start", "copy-done", "async-start", "async-update", "async-done"})
+def on_chip_value_ranges(lr: LiveRanges, start: list[int], end: list[int]) -> list[tuple[int, int, int]]:
+    """Corrections (start, end, +/-bytes) that turn the on-chip (``S(1)``) buffers holding
+    several values into one interval per value.
 
-
-def on_chip_rewrites(lr: LiveRanges, start: list[int]) -> list[tuple[int, int]]:
-    """(step, bytes) of each on-chip (``S(1)``) value written in place over an operand's buffer.
-
-    libtpu's VMEM heap figure is the replay of memory-space assignment's heap trace, which has one
-    allocation per value and no sharing: an in-place instruction (a dynamic-update-slice, or a
-    fusion rooted in one, writing a scan's carried stack) allocates its output before the operand
-    it overwrites is freed, so at that instruction the buffer counts twice. Read off the trace in
-    the buffer assignment of a compiled flax NNX ``nnx.scan`` step (libtpu 0.0.42): 308 events,
-    no share, replay peak = ``peak_memory_in_bytes`` less arguments, outputs and constants, where
-    the VMEM allocation is 3.5 MiB smaller."""
-    out: list[tuple[int, int]] = []
+    libtpu's VMEM heap figure replays memory-space assignment's heap trace, which has one
+    allocation per value and no sharing (read off the trace in libtpu's buffer-assignment proto:
+    a flax NNX scan step, 308 events, a Levanter GPT-2 step, 1,158; each replay plus arguments,
+    outputs and constants is ``peak_memory_in_bytes`` to the byte). A loop's carried buffer holds
+    several values: in the flattened schedule value k lives from its definition to the last read
+    of the buffer up to the next value's definition (a loop's carry is free between its last read
+    and its next write, where libtpu puts other temporaries), and the last value to the buffer's
+    end. A value written in place (a scan's ``dynamic-update-slice`` into its stack) is allocated
+    before the value it overwrites is freed: at its writer the buffer counts twice."""
+    multi = {b.id: b for b in lr.buffers
+             if b.memory_space == ON_CHIP_MEMORY_SPACE and start[b.id] >= 0 and len(b.values) > 1
+             and b.parameter < 0 and not b.output_indices}
+    if not multi:
+        return []
+    reads: dict[int, list[int]] = {bid: [] for bid in multi}
     buffer_at = lr.aliasing.position_buffers
-    for b in lr.buffers:
-        if b.memory_space != ON_CHIP_MEMORY_SPACE or start[b.id] < 0:
+    for t, inst in enumerate(lr.steps):
+        for op in inst.operands:
+            for bid in buffer_at.get(op, ()):
+                if bid in reads:
+                    reads[bid].append(t)
+    out: list[tuple[int, int, int]] = []
+    for bid, b in multi.items():
+        defs = sorted({lr.time[inst] for inst, _ in b.values if inst in lr.time})
+        if len(defs) < 2:
             continue
-        for inst, _ in b.values:
-            if inst.opcode in _VIEWS or inst not in lr.time:
-                continue
-            if any(b.id in buffer_at.get(op, ()) for op in inst.operands):
-                out.append((lr.time[inst], lr.size_bytes[b.id]))
+        size = lr.size_bytes[bid]
+        out.append((start[bid], end[bid], -size))
+        rs = sorted(reads[bid])
+        defs[0] = min(defs[0], start[bid])
+        for k, t in enumerate(defs):
+            if k + 1 < len(defs):
+                nxt = defs[k + 1]
+                last = max((r for r in rs if t <= r <= nxt), default=t)
+            else:
+                last = max(end[bid], t)
+            out.append((t, last, size))
     return out
 
 

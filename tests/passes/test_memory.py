@@ -224,3 +224,23 @@ def test_an_on_chip_value_written_in_place_counts_twice_where_it_is_written() ->
     # the same loop on the device heap: XLA's heap simulator shares an in-place buffer
     hbm = profile(IN_PLACE.replace(":S(1)}", "}"), outputs_whole_program=True)
     assert hbm.timeline_bytes[14] == hbm.timeline_bytes[13]  # nothing more is live at d
+
+
+CARRY_GAP = IN_PLACE.replace("""  row = f32[1,256]{1,0:S(1)} broadcast(i), dimensions={}
+  row2 = f32[1,256]{1,0:S(1)} convert(row)
+  z = s32[] constant(0)
+  d = f32[4,256]{1,0:S(1)} dynamic-update-slice(st, row2, i, z)""", """  q = f32[4,256]{1,0:S(1)} negate(st)
+  e = f32[4,256]{1,0:S(1)} exponential(q)
+  d = f32[4,256]{1,0:S(1)} negate(e)""")
+
+
+def test_an_on_chip_loop_carry_is_free_between_its_last_read_and_its_next_write() -> None:
+    # body: q reads the carried stack (its last read), e reads q, d (the next carried value)
+    # reads e. Per value, at e only q and e are live (4 KiB each); the carry's one buffer over
+    # the whole loop would add its 4 KiB there. Fixed: p, the output t, the output tuple
+    kib = 1024
+    prof = profile(CARRY_GAP, outputs_whole_program=True, on_chip_heap=True)
+    names = [i.name for i in prof.ranges.steps]
+    e = names.index("e")
+    assert prof.timeline_bytes[e] == 2 * kib + 8 + 4 * kib + 4 * kib
+    assert prof.peak_bytes == 2 * kib + 8 + 8 * kib
