@@ -132,6 +132,9 @@ class MemoryProfile:
     #: inside an output's allocation, another memory space)
     counted_start: list[int] = field(default_factory=list, repr=False)
     counted_end: list[int] = field(default_factory=list, repr=False)
+    #: (buffer id, start, end, +/-bytes) counted besides those intervals: the per-value lives of
+    #: a compiled module's loop-carried VMEM buffers (:func:`on_chip_value_ranges`)
+    counted_corrections: tuple[tuple[int, int, int, int], ...] = field(default=(), repr=False)
     #: ids of temporaries placed inside module outputs' allocations (``reuse_output_allocations``)
     absorbed: frozenset[int] = frozenset()
     #: predicted memory-space assignment only: per flat step, the VMEM side of the accounting
@@ -240,6 +243,8 @@ class PeakMemory(Analysis[MemoryProfile]):
                 if start[b.id] >= 0 and b.output_indices:
                     start[b.id], end[b.id] = 0, last
         spaces: tuple[int, ...] = (0,)
+        #: (buffer id, start, end, +/-bytes) counted besides the buffers' own intervals
+        corrections: list[tuple[int, int, int, int]] = []
         diff = [0] * (n_steps + 1)
         hdiff = [0] * (n_steps + 1)
         predicted_msa = self.on_chip_heap and self.on_chip_bytes > 0 and \
@@ -253,13 +258,14 @@ class PeakMemory(Analysis[MemoryProfile]):
             device_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp if b.memory_space == 0])
             per_value = on_chip_value_ranges(lr, start, end)
             chip_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp
-                               if b.memory_space == ON_CHIP_MEMORY_SPACE] + per_value)
+                               if b.memory_space == ON_CHIP_MEMORY_SPACE] + [r[1:] for r in per_value])
             if chip_peak > device_peak:
                 spaces = (0, ON_CHIP_MEMORY_SPACE)
                 for b in temp:
                     if b.memory_space == 0:
                         start[b.id] = -1
-                for first, last, n in per_value:
+                corrections = per_value
+                for _, first, last, n in corrections:
                     diff[first] += n
                     diff[last + 1] -= n
 
@@ -306,11 +312,18 @@ class PeakMemory(Analysis[MemoryProfile]):
         out = sum(sizes[b.id] for b in lr.buffers
                   if b.output_indices and b.parameter < 0 and b.on_device and start[b.id] >= 0)
         by_cat = dict.fromkeys(CATEGORIES, 0)
-        live = []
+        at_peak: dict[int, int] = {}
         for b in lr.buffers:
             if b.memory_space in spaces and 0 <= start[b.id] <= peak_step <= end[b.id] and sizes[b.id]:
-                by_cat[cats[b.id]] += sizes[b.id]
-                live.append(b)
+                at_peak[b.id] = sizes[b.id]
+        for bid, first, last, n in corrections:
+            if first <= peak_step <= last:
+                at_peak[bid] = at_peak.get(bid, 0) + n
+        live = []
+        for bid, n in at_peak.items():
+            by_cat[cats[bid]] += n
+            if n > 0:
+                live.append(lr.buffers[bid])
         by_cat["static"] += base
         if predicted_msa and timeline:
             _settle(by_cat, timeline[peak_step] - sum(by_cat.values()))
@@ -321,8 +334,8 @@ class PeakMemory(Analysis[MemoryProfile]):
             peak_bytes=peak, peak_step=peak_step, argument_bytes=arg, output_bytes=out,
             host_bytes=max(host_timeline, default=0), static_bytes=static, code_bytes=self.code_bytes,
             categories={k: v for k, v in by_cat.items() if v}, top=top, category_of=cats,
-            counted_start=start, counted_end=end, absorbed=frozenset(absorbed),
-            on_chip_timeline_bytes=on_chip_side,
+            counted_start=start, counted_end=end, counted_corrections=tuple(corrections),
+            absorbed=frozenset(absorbed), on_chip_timeline_bytes=on_chip_side,
             on_chip_relief_bytes=max(0, base + unplaced[peak_step] - hbm_side[peak_step])
             if unplaced and timeline else 0,
         )
@@ -358,8 +371,8 @@ def _peak(intervals: list[tuple[int, int, int]]) -> int:
     return peak
 
 
-def on_chip_value_ranges(lr: LiveRanges, start: list[int], end: list[int]) -> list[tuple[int, int, int]]:
-    """Corrections (start, end, +/-bytes) that turn the on-chip (``S(1)``) buffers holding
+def on_chip_value_ranges(lr: LiveRanges, start: list[int], end: list[int]) -> list[tuple[int, int, int, int]]:
+    """Corrections (buffer id, start, end, +/-bytes) that turn the on-chip (``S(1)``) buffers holding
     several values into one interval per value.
 
     libtpu's VMEM heap figure replays memory-space assignment's heap trace, which has one
@@ -383,13 +396,13 @@ def on_chip_value_ranges(lr: LiveRanges, start: list[int], end: list[int]) -> li
             for bid in buffer_at.get(op, ()):
                 if bid in reads:
                     reads[bid].append(t)
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[int, int, int, int]] = []
     for bid, b in multi.items():
         defs = sorted({lr.time[inst] for inst, _ in b.values if inst in lr.time})
         if len(defs) < 2:
             continue
         size = lr.size_bytes[bid]
-        out.append((start[bid], end[bid], -size))
+        out.append((bid, start[bid], end[bid], -size))
         rs = sorted(reads[bid])
         defs[0] = min(defs[0], start[bid])
         for k, t in enumerate(defs):
@@ -398,7 +411,7 @@ def on_chip_value_ranges(lr: LiveRanges, start: list[int], end: list[int]) -> li
                 last = max((r for r in rs if t <= r <= nxt), default=t)
             else:
                 last = max(end[bid], t)
-            out.append((t, last, size))
+            out.append((bid, t, last, size))
     return out
 
 

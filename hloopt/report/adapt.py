@@ -74,12 +74,13 @@ def _ordered(cats: Mapping[str, Any]) -> list[str]:
 
 
 def flat_category_bytes(lr: Any, category_of: Mapping[int, str], *, start: Sequence[int] | None = None,
-                        end: Sequence[int] | None = None, memory_spaces: Collection[int] = (0,)
-                        ) -> dict[str, np.ndarray]:
+                        end: Sequence[int] | None = None, memory_spaces: Collection[int] = (0,),
+                        corrections: Sequence[tuple[int, int, int, int]] = ()) -> dict[str, np.ndarray]:
     """Bytes live at each flat step of ``lr`` (LiveRanges) in ``memory_spaces``, by category.
 
     ``start``/``end`` override the live ranges (a start of -1 drops the buffer), as
-    :class:`PeakMemory` does for outputs and static allocations.
+    :class:`PeakMemory` does for outputs and static allocations; ``corrections`` (buffer id,
+    start, end, +/-bytes) are counted besides them (``MemoryProfile.counted_corrections``).
     """
     n = lr.num_steps
     start = lr.start if start is None else start
@@ -96,6 +97,13 @@ def flat_category_bytes(lr: Any, category_of: Mapping[int, str], *, start: Seque
             d = diffs[cat] = np.zeros(n + 1, dtype=np.int64)
         d[s] += size
         d[end[b.id] + 1] -= size
+    for bid, first, last, size in corrections:
+        cat = category_of.get(bid, "temporaries")
+        d = diffs.get(cat)
+        if d is None:
+            d = diffs[cat] = np.zeros(n + 1, dtype=np.int64)
+        d[first] += size
+        d[last + 1] -= size
     return {c: np.cumsum(d[:-1]) for c, d in diffs.items()}
 
 
@@ -121,7 +129,8 @@ def memory_category_timeline(prof: Any, settings: Mapping[str, Any], *,
         from hloopt.ir import HOST_MEMORY_SPACE
 
         spaces = {b.memory_space for b in lr.buffers} - {HOST_MEMORY_SPACE}
-        out = flat_category_bytes(lr, cats, start=counted, end=prof.counted_end, memory_spaces=spaces)
+        out = flat_category_bytes(lr, cats, start=counted, end=prof.counted_end, memory_spaces=spaces,
+                                  corrections=getattr(prof, "counted_corrections", ()))
         if getattr(prof, "on_chip_timeline_bytes", None) is not None:
             _settle_msa(out, prof, fixed)
         return _checked(out, prof, fixed)
