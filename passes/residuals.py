@@ -419,6 +419,7 @@ def _find(module: Module, *, loss_output: int | None, hints: bool) -> ResidualSe
     order = entry.instructions
     pos = {inst: i for i, inst in enumerate(order)}
     root = entry.root
+    _check_not_in_loop(module)
     loss = _pick_loss(entry, loss_output, module)
 
     static = _static_values(order)
@@ -480,8 +481,6 @@ def _find(module: Module, *, loss_output: int | None, hints: bool) -> ResidualSe
         if inst.shape.is_tuple or not inst.shape.is_array:
             continue  # its pieces (get-tuple-element) are the residuals
         residuals.append(_residual(module, inst, bwd_users, fwd, pos, root))
-    if not residuals:
-        _check_not_in_loop(module)
     backward_start = min((r.first_backward_use for r in residuals), default=len(order))
     return ResidualSet(module=module, residuals=tuple(residuals), static=tuple(static_res), loss=loss,
                        forward_size=len(fwd), backward_start=backward_start)
@@ -525,8 +524,11 @@ def _forward_hint(inst: Instruction) -> bool:
 
 def differentiated_in_loop(module: Module) -> Instruction | None:
     """The entry's loop whose body computes a backward pass (JAX's ``transpose(`` op names) when
-    the entry computes none outside loops: gradient accumulation over microbatches
-    (``lax.fori_loop``/``scan`` around ``jax.grad``). Residuals are found at the top level only."""
+    the entry computes none outside loops, forward or backward: gradient accumulation over
+    microbatches (``lax.fori_loop``/``scan`` around ``jax.grad``), whose accumulated gradients an
+    optimizer reads after the loop would otherwise pass for residuals. A scan over layers
+    differentiates at its top level too (the embedding, the loss). Residuals are found at the top
+    level only."""
     entry = module.entry
     if entry is None:
         return None
@@ -534,7 +536,7 @@ def differentiated_in_loop(module: Module) -> Instruction | None:
     for inst in entry.instructions:
         if inst.opcode == "while":
             loops.append(inst)
-        elif "transpose(" in inst.metadata.op_name:
+        elif "transpose(" in inst.metadata.op_name or "jvp(" in inst.metadata.op_name:
             return None  # the step differentiates at its top level
     for loop in loops:
         todo, seen = [c for c in loop.called.get("body", [])], set()
@@ -575,7 +577,6 @@ def _pick_loss(entry: Computation, loss_output: int | None, module: Module) -> I
     scalars = [o for o in outputs if o.shape.is_array and o.shape.rank == 0
                and _DTYPE_FLOAT.match(o.shape.element_type) and o.opcode != "parameter"]
     if not scalars:
-        _check_not_in_loop(module)
         raise UserError(f"{module.filename}: no scalar floating-point output to take as the loss "
                         "(a train step returns its loss)")
     if len(scalars) == 1:

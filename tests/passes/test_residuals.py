@@ -218,11 +218,13 @@ def test_module_without_scalar_loss_is_a_user_error() -> None:
         find_residuals(parse_module(text))
 
 
-@pytest.mark.parametrize("returns_loss", [False, True])
-def test_a_step_that_differentiates_inside_a_loop_is_told_what_to_plan(returns_loss: bool) -> None:
+@pytest.mark.parametrize("returns_loss, optimizer", [(False, False), (True, False), (True, True)])
+def test_a_step_that_differentiates_inside_a_loop_is_told_what_to_plan(returns_loss: bool, optimizer: bool) -> None:
     """Gradient accumulation: ``jax.grad`` under ``lax.fori_loop`` over microbatches. Its residuals
     are the loop body's, not the step's: with or without a loss output, the user is told to plan
-    the step of one microbatch, and where the loop is."""
+    the step of one microbatch, and where the loop is. With an optax optimizer after a ``scan``
+    that reads the parameters (clipping by global norm, AdamW's weight decay), the parameters the
+    loop passes through and the accumulated gradients are read after it: still no residuals."""
     import jax
     import jax.numpy as jnp
 
@@ -232,7 +234,15 @@ def test_a_step_that_differentiates_inside_a_loop_is_told_what_to_plan(returns_l
     def loss(w, x):
         return jnp.mean(jnp.tanh(x @ w) ** 2)
 
+    import optax
+
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
     def step(w, xs):
+        if optimizer:
+            grads, losses = jax.lax.scan(lambda acc, x: (acc + jax.grad(loss)(w, x), loss(w, x)), jnp.zeros_like(w), xs)
+            u, _ = opt.update(grads, opt.init(w), w)
+            return optax.apply_updates(w, u), losses.mean()
         grads = jax.lax.fori_loop(0, 4, lambda i, acc: acc + jax.grad(loss)(w, xs[i]), jnp.zeros_like(w))
         return (w - grads, jnp.float32(0)) if returns_loss else w - grads
 
