@@ -318,16 +318,63 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
     # a module compiled here, by the installed libtpu, whatever ``libtpu`` says of predictions
     prof, s = profile_module(module, platform=plat, schedule=schedule, top=top, code_bytes=_code(figures),
                              libtpu=_installed_libtpu())
-    return MemoryReport(module.name, f"compiled:{compile}", prof, figures, s)
+    return MemoryReport(module.name, f"compiled:{compile}", prof, figures, s, step_notes(prof))
+
+
+def undonated_bytes(prof: MemoryProfile) -> int:
+    """Bytes of the step's outputs that could be written over an argument it does not donate.
+
+    A training step returns its new parameters and optimizer state with the shapes and types of
+    the ones it takes. Unless the caller donates them (``jax.jit(step, donate_argnums=...)``,
+    ``input_output_alias`` in the module), XLA keeps both for the whole step: arguments and
+    outputs each hold a copy. Output buffers (as the profile counts them) are matched to
+    undonated entry parameters by element type and dims, each parameter once; scalars are left
+    out."""
+    lr = prof.ranges
+    entry = lr.module.entry
+    if entry is None:
+        return 0
+    donated = {a.parameter_number for a in lr.module.input_output_alias}
+    free: dict[tuple[str, tuple[int, ...]], int] = {}
+    for inst in entry.instructions:
+        if inst.opcode == "parameter" and inst.parameter_number not in donated and inst.shape.is_array \
+                and inst.shape.dims:
+            key = (inst.shape.element_type, tuple(inst.shape.dims))
+            free[key] = free.get(key, 0) + 1
+    counted = prof.counted_start or lr.start
+    total = 0
+    for b in lr.buffers:
+        shape = b.instruction.shape
+        if not b.output_indices or b.parameter >= 0 or not b.on_device or counted[b.id] < 0 or b.index != () \
+                or not shape.is_array or not shape.dims:
+            continue
+        key = (shape.element_type, tuple(shape.dims))
+        if free.get(key, 0) > 0:
+            free[key] -= 1
+            total += lr.size_bytes[b.id]
+    return total
+
+
+def step_notes(prof: MemoryProfile) -> list[str]:
+    """What the user can change in the step itself that moves its peak (any accounting)."""
+    from hloopt.units import format_bytes
+
+    nbytes = undonated_bytes(prof)
+    if prof.peak_bytes and nbytes >= 0.05 * prof.peak_bytes:
+        return [f"{format_bytes(nbytes)} of the step's outputs have the shape and type of arguments it does not "
+                "donate (new parameters and optimizer state, by the look): jax.jit(step, donate_argnums=...) "
+                f"lets XLA write them over their inputs, up to {format_bytes(nbytes)} off the peak"]
+    return []
 
 
 def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[str]:
-    """Known blind spots of a TPU prediction that apply to this module (passes/memory.py)."""
+    """What the user can change in the step (:func:`step_notes`), and the known blind spots of a
+    TPU prediction that apply to this module (passes/memory.py)."""
+    notes = step_notes(prof)
     if settings.get("kind") != "tpu-predicted":
-        return []
+        return notes
     from hloopt.passes.residuals import offloaded_source
 
-    notes: list[str] = []
     steps = prof.ranges.steps
     batches = [b for b in (_conv_batch(i) for i in steps if i.opcode == "convolution") if b]
     narrow = sum(1 for b in batches if b < 8)

@@ -1177,6 +1177,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     largest offloaded candidate, until it fits. ``host``: the host CPU profile that times an
     optimizer update computed on the host (:mod:`hloopt.hosts`; default
     :data:`hloopt.hosts.DEFAULT_HOST`)."""
+    from hloopt.analysis import step_notes
     from hloopt.search import search
     from hloopt.simulator import lower_bound_peak, simulate
     from hloopt.solvers.bounds import below_least_peak
@@ -1221,10 +1222,11 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                     sr = search(problem, budget_bytes=aim, max_slowdown=max_slowdown, pareto=pareto,
                                 solver=solver, time_limit_s=time_limit_s)
             except InfeasibleBudget as err:
-                hint = unmovable_residuals_line(an.residuals, imports=_imports(tgt))
-                if hint is None:
+                hints = [unmovable_residuals_line(an.residuals, imports=_imports(tgt)),
+                         *(step_notes(an.memory) if an.memory is not None else [])]
+                if not any(hints):
                     raise
-                raise InfeasibleBudget(f"{err}; {hint}") from err
+                raise InfeasibleBudget("; ".join([str(err), *(h for h in hints if h)])) from err
         if host_budget_bytes is None or host_bytes_of(problem, sr.plan.decisions) <= host_budget_bytes:
             break
         # over the host budget: the largest offloaded candidate stays off the host, search again

@@ -253,7 +253,7 @@ def test_bad_flags(argv: list[str], needle: str) -> None:
 def test_budget_below_the_floor_says_the_floor() -> None:
     line = one_error_line(PLAN_HLO + ["--budget", "1KiB"])
     m = re.fullmatch(r"hloopt: error: budget 1\.00 KiB is below the least peak any policy reaches: "
-                     r"needs at least ([\d.]+) (KiB|MiB)", line)
+                     r"needs at least ([\d.]+) (KiB|MiB)(; [\d.]+ KiB of the step's outputs .* does not donate .*)?", line)
     assert m, line
     floor = float(m[1]) * {"KiB": 2**10, "MiB": 2**20}[m[2]]
     # The parameters alone must stay on device: the floor is at least their bytes.
@@ -428,3 +428,23 @@ def test_a_step_whose_own_mesh_is_on_cpu_devices_cannot_be_compiled_for_tpu_and_
     ours = [line for line in r.stderr.splitlines() if line.startswith("hloopt")]
     assert len(ours) == 1 and ours[0] == r.stderr.splitlines()[-1]
     assert ours[0].startswith(f"hloopt: error: {tmp_path}/smap.py:f: the step holds a mesh of its own"), ours[0]
+
+
+def test_a_budget_below_the_floor_of_a_step_that_donates_nothing_says_so(tmp_path: Path) -> None:
+    """The plan's refusal names what the step itself can change: its new weights and momentum
+    (256 KiB each) are written beside the arguments it does not donate."""
+    (tmp_path / "sgd.py").write_text(
+        "import jax\nimport jax.numpy as jnp\n\n\n"
+        "def make():\n"
+        "    def step(w, m, x):\n"
+        "        def loss(w):\n"
+        "            return jnp.mean(jax.checkpoint(lambda w: jnp.tanh(x @ w))(w) ** 2)\n"
+        "        value, g = jax.value_and_grad(loss)(w)\n"
+        "        m = 0.9 * m + g\n"
+        "        return w - 0.1 * m, m, value\n"
+        "    w = jax.ShapeDtypeStruct((256, 256), jnp.float32)\n"
+        "    return step, (w, w, jax.ShapeDtypeStruct((8, 256), jnp.float32))\n")
+    line = one_error_line(["plan", f"{tmp_path}/sgd.py:make", "--device", "tpu-v5e", "--budget", "1KiB"])
+    assert "is below the least peak any policy reaches" in line
+    assert "; 512 KiB of the step's outputs have the shape and type of arguments it does not donate" in line
+    assert "jax.jit(step, donate_argnums=...)" in line
