@@ -1713,6 +1713,7 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     #: or none where a one-name lowering moved the value
     undecided: set[str] = set()
     nameless: set[str] = set()  # markers on a line where no name is called
+    by_marker: dict[str, list[Any]] = {}  # per name, the markers its line gives it
     for r in probe.residuals:
         marker = _name_marker(r.producer)
         if marker is None:
@@ -1736,7 +1737,22 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
         # (a reshape of the named value counts: the same bytes move).
         if any(v.name == name and v.dtype == r.dtype and math.prod(v.per_layer_dims) == math.prod(r.per_layer_dims)
                for v in probe.values):
-            names[r.inst.name] = name
+            by_marker.setdefault(name, []).append(r)
+    # A line can hold more values of the named one's size than the name moves: a library layer
+    # called on that line (flax NNX's attention: its q, k, v and output have the size of the
+    # named output, and every saved value is marked at the user's line). Where the name's values
+    # are fewer, the ones of its exact dims stand, if few enough; else the line decides nothing.
+    for name, rs in by_marker.items():
+        values = [v for v in probe.values if v.name == name]
+        need = sum(v.layers for v in values)
+        if sum(r.layers for r in rs) > need:
+            dims = {(v.dtype, v.per_layer_dims) for v in values}
+            exact = [r for r in rs if (r.dtype, r.per_layer_dims) in dims]
+            if not exact or sum(r.layers for r in exact) > need:
+                undecided.update(r.inst.name for r in rs)
+                continue
+            rs = exact
+        names.update((r.inst.name, name) for r in rs)
     # Residuals that are no marker's value (a scan's carried layer input), or a marker the line
     # cannot tell apart, keep the probe's name.
     taken = set(names.values())

@@ -158,3 +158,38 @@ def test_a_rule_that_selects_more_than_its_residuals_may_recompute_but_not_offlo
     # ``a`` reads, which JAX then saves)
     assert residual_lines(keep) == ["7", "9"]
     assert residual_lines(recompute) == ["14", "9"]
+
+
+def test_a_name_on_a_line_with_look_alikes_selects_only_its_own_values(tmp_path) -> None:
+    """One line computes q, k and v and names only their combination (as a call into a library
+    layer does: flax NNX's attention, whose every op is located at the user's line). With
+    everything saved, q, k, v and the named value are each marked at that line with the same
+    size; the name selects its own value per layer (2 layers), not the look-alikes."""
+    from hloopt import pipeline
+    from hloopt.passes.residuals import find_residuals
+    from hloopt.targets import resolve
+
+    (tmp_path / "lookalike.py").write_text(
+        "import jax\nimport jax.numpy as jnp\nfrom jax.ad_checkpoint import checkpoint_name\n\n\n"
+        "def layer(x, wq, wk, wv):\n"
+        "    o = checkpoint_name(jnp.tanh(x @ wq) * jnp.sin(x @ wk) + jnp.cos(x @ wv), 'attn')\n"
+        "    return x + jnp.tanh(o)\n\n\n"
+        "def make():\n"
+        "    def loss(ws, x):\n"
+        "        for w in ws:\n"
+        "            x = jax.checkpoint(layer)(x, *w)\n"
+        "        return jnp.mean(x ** 2)\n\n"
+        "    def step(ws, x):\n"
+        "        return jax.value_and_grad(loss)(ws, x)\n"
+        "    w = jax.ShapeDtypeStruct((128, 128), jnp.float32)\n"
+        "    return step, ([(w, w, w)] * 2, jax.ShapeDtypeStruct((16, 128), jnp.float32))\n")
+    prof = load_profile("tpu-v5e")
+    tgt = resolve(f"{tmp_path}/lookalike.py:make")
+    module, _ = pipeline.lower_for_plan(tgt, prof)
+    names = pipeline._names_for(tgt, module, prof, platform=None)
+    rs = find_residuals(module)
+    line = [r for r in rs if r.source and r.source[1] == 7 and r.dtype == "f32" and r.per_layer_dims == (16, 128)]
+    assert len(line) > 2  # the look-alikes are residuals too
+    named = [r for r in rs if names.get(r.inst.name) == "attn"]
+    # the name's own marker (JAX lowers checkpoint_name to an identity reduce-precision), one per layer
+    assert len(named) == 2 and all(r.inst.opcode == "reduce-precision" for r in named), [r.inst.name for r in named]
