@@ -67,6 +67,7 @@ Invariant: ``timeline_bytes[peak_step] == peak_bytes`` and the categories at the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar
@@ -634,13 +635,33 @@ def _in_backward(inst: Instruction, memo: dict[str, bool]) -> bool:
     return got
 
 
+#: pytree path keys of optimizer state: optax's state fields (Adam's ``mu``/``nu``, SGD momentum's
+#: ``trace``) and the usual names of the optimizer argument
+_OPTIMIZER_KEYS = frozenset({"mu", "nu", "trace", "momentum", "opt", "optimizer", "opt_state"})
+#: the keys under which such keys are the model's own (a VAE's ``params['mu']``)
+_PARAMETER_ROOTS = frozenset({"params", "param", "model", "variables", "weights"})
+
+
+def _optimizer_path(op_name: str) -> bool:
+    """Whether a parameter's JAX path (its ``op_name``: ``st[0].mu.layers.w1``,
+    ``state.opt_state[0].nu['Dense_0']``) runs through optimizer state: the first of its keys that
+    is an optimizer key (:data:`_OPTIMIZER_KEYS`) or a model's (:data:`_PARAMETER_ROOTS`: a flax
+    TrainState's ``state.params['mu']`` is a layer named mu) is an optimizer key."""
+    for key in re.split(r"[.\[\]'\" ]+", op_name.lower()):
+        if key in _OPTIMIZER_KEYS:
+            return True
+        if key in _PARAMETER_ROOTS:
+            return False
+    return False
+
+
 def _category(b: Buffer, lr: LiveRanges, param_dims: set[tuple[str, tuple[int, ...]]],
               backward_memo: dict[str, bool] | None = None) -> str:
     memo: dict[str, bool] = {} if backward_memo is None else backward_memo
     if b.parameter >= 0:
         p = b.instruction
         text = (p.name + " " + p.metadata.op_name).lower()
-        if "opt_state" in text or "opt-state" in text:
+        if "opt_state" in text or "opt-state" in text or _optimizer_path(p.metadata.op_name):
             return "optimizer state"
         if "batch" in text or "input" in text:
             return "inputs"

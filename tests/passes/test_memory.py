@@ -244,3 +244,22 @@ def test_an_on_chip_loop_carry_is_free_between_its_last_read_and_its_next_write(
     e = names.index("e")
     assert prof.timeline_bytes[e] == 2 * kib + 8 + 4 * kib + 4 * kib
     assert prof.peak_bytes == 2 * kib + 8 + 8 * kib
+
+
+def test_optimizer_state_is_told_by_its_pytree_path() -> None:
+    """An argument is optimizer state when its JAX path first runs through an optimizer key
+    (optax's ``mu``/``nu``, whatever the argument is called), not a model's (a layer named mu)."""
+    text = """
+HloModule m
+ENTRY e {
+  a = f32[64,64]{1,0} parameter(0), metadata={op_name="st[0].mu.layers.w1"}
+  b = f32[64,64]{1,0} parameter(1), metadata={op_name="state.params['mu']['kernel']"}
+  c = f32[64,64]{1,0} parameter(2), metadata={op_name="state.opt_state[0].nu['Dense_0']['kernel']"}
+  d = f32[64,64]{1,0} parameter(3), metadata={op_name="model.layers.w1"}
+  s = f32[64,64]{1,0} add(a, b)
+  t = f32[64,64]{1,0} add(c, d)
+  ROOT r = f32[64,64]{1,0} add(s, t)
+}"""
+    p = profile(text)
+    cats = {b.instruction.name: p.category_of[b.id] for b in p.ranges.buffers if b.parameter >= 0}
+    assert cats == {"a": "optimizer state", "b": "parameters", "c": "optimizer state", "d": "parameters"}
