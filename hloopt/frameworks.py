@@ -117,6 +117,13 @@ def _is_traceable(x: object) -> bool:
     return _is_array(x) or isinstance(x, (bool, int, float, complex))
 
 
+def _is_traced_by_jit(x: object) -> bool:
+    """A leaf hloopt's ``jax.jit`` of a step traces: :func:`_is_traceable`, but a Python ``bool``.
+    A flag (``train=True``) steers the step's Python (``if train:``), which a traced bool cannot;
+    numbers stay traced (a learning rate is a value of the step)."""
+    return _is_traceable(x) and not isinstance(x, bool)
+
+
 def jittable(step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
              ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
     """``(step_fn, args, kwargs)`` as ``jax.jit`` takes them: non-array leaves held by the step.
@@ -128,7 +135,8 @@ def jittable(step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping
     parameter). So the leaves the step's own jit would keep static are taken out of the arguments
     and put back inside the step: for an ``eqx.filter_jit`` step (unwrapped; its ``donate=`` kept as
     ``donate_argnums``), every leaf that is not an array; for any other step, the leaves ``jax.jit``
-    cannot trace at all (functions, strings, objects). The arguments keep their tree paths, so the
+    cannot trace at all (functions, strings, objects) and Python bools (flags such as
+    ``train=True``, which the step's Python branches on). The arguments keep their tree paths, so the
     HLO parameters keep their names; such leaves of the step's result are dropped (constants, no
     buffers). A step with only traceable leaves is returned as it is.
     """
@@ -141,7 +149,7 @@ def jittable(step_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping
         rest = bool(getattr(step_fn, "donate_rest", False))
         donate = tuple(i for i in range(len(args)) if (first if i == 0 else rest))
     else:
-        fn, dynamic, donate = step_fn, _is_traceable, ()
+        fn, dynamic, donate = step_fn, _is_traced_by_jit, ()
         if all(dynamic(x) for x in jax.tree.leaves((args, dict(kwargs)))):
             return step_fn, tuple(args), dict(kwargs)
 

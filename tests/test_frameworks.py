@@ -169,6 +169,25 @@ def test_a_leaf_jax_cannot_trace_is_held_by_the_step() -> None:
     assert jittable(step, (1.0, jnp.ones(2)), {})[0] is step
 
 
+def test_a_python_flag_is_held_by_the_step_and_a_number_traced() -> None:
+    """A factory's keyword flag (``train=True``) steers the step's Python: traced, it could not
+    (``if train:`` on a tracer raises). Held by the step, the step computes what it computes when
+    called directly; a Python float stays an argument of the jitted step."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloopt.frameworks import jittable
+
+    def step(w, *, train, scale):
+        return w * scale * 0.5 if train else w * scale
+
+    fn, args, kwargs = jittable(step, (jnp.ones(3),), {"train": True, "scale": 3.0})
+    assert kwargs == {"train": None, "scale": 3.0}
+    assert jnp.array_equal(jax.jit(fn)(*args, **kwargs), step(jnp.ones(3), train=True, scale=3.0))
+    with pytest.raises(jax.errors.TracerBoolConversionError):
+        jax.jit(step)(jnp.ones(3), train=True, scale=3.0)
+
+
 def test_the_hloopt_launcher_is_no_source_line(tmp_path, monkeypatch) -> None:
     """Ops whose frames are all framework plumbing must not be located at the ``hloopt`` console
     script (its absolute path); a user's own script stays a source."""
