@@ -352,6 +352,21 @@ class TargetResiduals:
 
         return unmovable_residuals_line(self.residuals, imports=self.imports)
 
+    def input_slices_line(self) -> str | None:
+        """For a loop that slices the step's inputs outside its checkpoint: the bytes saved twice
+        and what to change (:func:`hloopt.passes.residuals.input_slice_residuals`)."""
+        from hloopt.passes.residuals import input_slice_residuals
+        from hloopt.units import format_bytes
+
+        rs = input_slice_residuals(self.residuals)
+        if not rs:
+            return None
+        where = sorted({r.source_text for r in rs if r.source_text})
+        return (f"{format_bytes(sum(r.bytes for r in rs))} of residuals are a loop's slices of the step's own inputs"
+                + (f" (at {', '.join(where)})" if where else "")
+                + ", saved for the backward pass as a second copy: slice inside the function given to "
+                  "jax.checkpoint (pass it the whole stack and the index) and the backward pass reads the inputs")
+
 
 def residuals_of(target: str, *, size: str | None = None, platform: str = "tpu", names: bool = True) -> TargetResiduals:
     """Resolve ``target``; HLO files and dumps are read as they are (no jax), JAX targets are lowered

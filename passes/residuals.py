@@ -84,6 +84,26 @@ _BARRIERS = ("opt-barrier", "optimization-barrier")
 _CHECKPOINT_HINTS = ("checkpoint", "remat")
 
 
+#: primitives that take a piece of an array
+_SLICES = frozenset({"dynamic_slice", "slice", "gather"})
+
+
+def input_slice_residuals(rs: "ResidualSet") -> list[Residual]:
+    """Stacked residuals that are a loop's per-iteration slices of one of the step's inputs.
+
+    A ``fori_loop`` over layers that indexes stacked weights (``w = ws[i]``) outside the
+    ``jax.checkpoint`` it then calls hands the checkpoint the slice as an input: JAX saves every
+    iteration's slice for the backward pass, a second copy of the weights. Told by the producer
+    (a slice) and the stack's dims, which are an entry parameter's (layers leading)."""
+    entry = rs.module.entry
+    if entry is None:
+        return []
+    inputs = {(p.shape.element_type, tuple(p.shape.dims)) for p in entry.instructions
+              if p.opcode == "parameter" and p.shape.is_array}
+    return [r for r in rs if r.layers > 1 and r.primitive in _SLICES
+            and (r.dtype, (r.layers, *r.per_layer_dims)) in inputs]
+
+
 def under_checkpoint(res: Residual) -> bool:
     """Whether a policy governs the residual: ``jax.checkpoint`` hands its saved values to the
     backward pass through an optimization barrier (``remat2``), and scanned layers are saved as

@@ -63,9 +63,9 @@ def _table(result, rows) -> None:  # type: ignore[no-untyped-def]
                       f"{fi[0]}..{fi[1]}", f"{r['first_backward_use']} {r['first_backward_user']}",
                       "yes" if r["offloaded"] else "", share)
     Console(width=200).print(table)
-    line = result.unmovable_line()
-    if line:
-        click.echo(line)
+    for line in (result.unmovable_line(), result.input_slices_line()):
+        if line:
+            click.echo(line)
     unnamed = [r for r in rows if not r["name"] and r["source"] and r["under_checkpoint"]]
     if unnamed and result.coverage is not None:
         big = unnamed[0]

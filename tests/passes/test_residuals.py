@@ -318,3 +318,33 @@ def test_group_keys_follow_candidate_format() -> None:
     keys = {g.key for g in group_by_selector(rs)}
     # both relu outputs (layer inputs of layers 1 and 2) come from one line: one group
     assert "prim:jit(relu)@fixtures/zoo/mlp.py:56" in keys or "prim:max@fixtures/zoo/mlp.py:56" in keys
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_loop_that_slices_the_steps_inputs_outside_its_checkpoint_saves_the_slices(inside: bool) -> None:
+    """``fori_loop`` over 4 layers indexing stacked weights ``ws[i]`` (f32[4,64,128], 128 KiB)
+    outside ``jax.checkpoint``: JAX stacks every iteration's slice as a residual, the whole 128 KiB
+    again; sliced inside the checkpointed function, the backward pass reads ``ws`` itself."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloopt.lowering import lower
+    from hloopt.passes.residuals import input_slice_residuals
+
+    def layer(x, w):
+        return jnp.tanh(x @ w @ w.T)
+
+    def loss(ws, x):
+        def body(i, x):
+            if inside:
+                return jax.checkpoint(lambda x, ws, i: layer(x, ws[i]))(x, ws, i)
+            return jax.checkpoint(layer)(x, ws[i])
+        return jnp.mean(jax.lax.fori_loop(0, 4, body, x) ** 2)
+
+    ws, x = jax.ShapeDtypeStruct((4, 64, 128), jnp.float32), jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    rs = find_residuals(parse_module(lower(jax.value_and_grad(loss), ws, x, platform="cpu").hlo_text))
+    found = input_slice_residuals(rs)
+    if inside:
+        assert found == []
+    else:
+        assert [(r.dtype, r.layers, r.per_layer_dims, r.bytes) for r in found] == [("f32", 4, (64, 128), 4 * 64 * 128 * 4)]
