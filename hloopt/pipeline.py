@@ -1717,6 +1717,13 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     for r in probe.residuals:
         marker = _name_marker(r.producer)
         if marker is None:
+            # an op of its own at a user line that calls no name, which the probe named only by
+            # its shape (an RMSNorm's product the size of the q projection on the next line):
+            # named only if offloading that name alone moves it, as a nameless marker
+            loc = module.user_source_of(r.producer, skip=LIBRARY_PATHS)
+            if r.name and loc is not None and r.inst.name not in probe.diffed \
+                    and not by_line.get((relative_source(loc[0]), loc[1])):
+                nameless.add(r.inst.name)
             continue
         loc = module.user_source_of(marker, skip=LIBRARY_PATHS)
         if loc is None:
@@ -1756,7 +1763,7 @@ def _names_for(tgt: Any, module: Module, profile: DeviceProfile, *, platform: st
     # Residuals that are no marker's value (a scan's carried layer input), or a marker the line
     # cannot tell apart, keep the probe's name.
     taken = set(names.values())
-    unmarked = {r.inst.name for r in probe.residuals if _name_marker(r.producer) is None} | undecided
+    unmarked = {r.inst.name for r in probe.residuals if _name_marker(r.producer) is None} - nameless | undecided
     for inst_name, name in probed.items():
         if inst_name in unmarked and inst_name not in names and name not in taken:
             names[inst_name] = name

@@ -193,3 +193,34 @@ def test_a_name_on_a_line_with_look_alikes_selects_only_its_own_values(tmp_path)
     named = [r for r in rs if names.get(r.inst.name) == "attn"]
     # the name's own marker (JAX lowers checkpoint_name to an identity reduce-precision), one per layer
     assert len(named) == 2 and all(r.inst.opcode == "reduce-precision" for r in named), [r.inst.name for r in named]
+
+
+def test_a_name_whose_value_is_no_residual_names_no_look_alike_on_another_line(tmp_path) -> None:
+    """Layers under ``lax.scan``. With everything saved, the backward pass reads the reshape of
+    ``q``, not ``q``: the name selects no residual of that step. The layer's ``h`` (line 7, no
+    name called there) has q's dtype, dims and layers; it must not take the name by its shape."""
+    from hloopt import pipeline
+    from hloopt.passes.residuals import find_residuals
+    from hloopt.targets import resolve
+
+    (tmp_path / "unread.py").write_text(
+        "import jax\nimport jax.numpy as jnp\nfrom jax.ad_checkpoint import checkpoint_name\n\n\n"
+        "def layer(x, w):\n"
+        "    h = jnp.sin(x) * 2.0\n"
+        "    q = checkpoint_name(h @ w, 'q')\n"
+        "    return x + jnp.tanh(q.reshape(16, 2, 64)).reshape(16, 128)\n\n\n"
+        "def make():\n"
+        "    def loss(ws, x):\n"
+        "        x, _ = jax.lax.scan(lambda x, w: (jax.checkpoint(layer)(x, w), None), x, ws)\n"
+        "        return jnp.mean(x ** 2)\n\n"
+        "    def step(ws, x):\n"
+        "        return jax.value_and_grad(loss)(ws, x)\n"
+        "    ws = jax.ShapeDtypeStruct((4, 128, 128), jnp.float32)\n"
+        "    return step, (ws, jax.ShapeDtypeStruct((16, 128), jnp.float32))\n")
+    prof = load_profile("tpu-v5e")
+    tgt = resolve(f"{tmp_path}/unread.py:make")
+    module, _ = pipeline.lower_for_plan(tgt, prof)
+    names = pipeline._names_for(tgt, module, prof, platform=None)
+    rs = find_residuals(module)
+    assert any(r.source and r.source[1] == 7 and r.per_layer_dims == (16, 128) for r in rs)
+    assert [r.inst.name for r in rs if names.get(r.inst.name) == "q"] == []
