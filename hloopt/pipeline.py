@@ -831,6 +831,9 @@ class PlanOutcome:
     imports: frozenset[str] = frozenset()
     #: set when the memory model puts the planned step over the budget (_settle_on_the_model)
     settle_note: str | None = None
+    #: the plan's policy offloads more values than the plan decides (a rule selecting beyond its
+    #: residuals), counted on the step lowered with it; None when the counts agree
+    policy_note: str | None = None
     #: set when a built-in policy replaced the searched plan (_fewer_flops_builtin)
     choice_note: str | None = None
     #: (policy, the memory model's peak of the step lowered with it, its FLOPs as lowered), for
@@ -1255,13 +1258,13 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
 
     plan_obj = build(problem, decisions, result)
     searched = problem
-    settle_note = None
+    settle_note = policy_note = None
     # the check re-lowers the step with the plan's policy only, not its argument placements
     # (hloopt.apply_plan(plan, step, args) applies those); on TPU no group leaves the device
     hosted = any(c.state is not None and decisions.action(c.key) != Action.DEVICE for c in problem.candidates)
     if not hosted and on_the_model:
         with progress("checking the plan against the memory model (re-lowering with its policy)"):
-            plan_obj, decisions, result, problem, settle_note = _settle_on_the_model(
+            plan_obj, decisions, result, problem, settle_note, policy_note = _settle_on_the_model(
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, platform=platform,
                 solver=solver, time_limit_s=time_limit_s, aim=aim)
     choice_note = None
@@ -1272,14 +1275,15 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, profile, platform=platform,
                 over=settle_note is not None)
         if choice_note is not None:
-            settle_note = None
+            settle_note = policy_note = None  # the plan is a built-in policy now
     if on_the_model:
         with progress("analyzing the step as written"):
             as_written = _as_written_on_the_model(tgt)
     anchors = run_anchors(searched)  # every policy judged on the whole choice, not the settled one
     return PlanOutcome(plan_obj, problem, an, baseline, result, decisions, anchors, as_written,
                        imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
-                       time_limit_s=time_limit_s, settle_note=settle_note, choice_note=choice_note,
+                       time_limit_s=time_limit_s, settle_note=settle_note, policy_note=policy_note,
+                       choice_note=choice_note,
                        lowered_rows=lowered_rows,
                        aim_bytes=aim if aim != budget_bytes else None,
                        target=tgt if compile is None else None, platform=platform)
@@ -1343,7 +1347,8 @@ def _nothing_saved_on_the_model(tgt: Any) -> int:
 def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,
                          budget_bytes: int | None, build: Callable[[Problem, Decisions, SimResult], Any], *,
                          platform: str | None, solver: str, time_limit_s: float,
-                         aim: int | None = None) -> tuple[Any, Decisions, SimResult, Problem, str | None]:
+                         aim: int | None = None
+                         ) -> tuple[Any, Decisions, SimResult, Problem, str | None, str | None]:
     """A plan the memory model ``hloopt analyze`` runs puts within the budget, on the step lowered
     with the plan's policy.
 
@@ -1356,8 +1361,9 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     free nothing there), then the budget the search aims at is lowered by the overshoot, at most
     :data:`SETTLE_ROUNDS` searches in all. The plan keeps the replay's prediction (what its
     decisions take off the analyzed timeline) as ``replay_peak_bytes`` and the model's figure as its
-    predicted peak; the last value is a note, with the model's figure,
-    when no plan the model puts within the budget was found."""
+    predicted peak; the next-to-last value is a note, with the model's figure, when no plan the
+    model puts within the budget was found, the last one a note when the planned step offloads
+    more values than the plan decides."""
     from hloopt.analysis import analyze
     from hloopt.emit import policy
     from hloopt.hlo.parser import parse_module
@@ -1367,6 +1373,7 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
 
     target = aim or budget_bytes or 0  # the budget the replay searched under
     best = None
+    best_text = ""
     eager = [c for c in problem.candidates if f"eager:{c.key}" in problem.notes and Action.OFFLOAD in c.allowed]
     for round_ in range(SETTLE_ROUNDS + 1):
         text = lower(tgt, platform=platform or "tpu", policy=policy(plan_obj)).hlo_text
@@ -1374,6 +1381,7 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         # the first plan that fits (the fastest: searched under the loosest budget), else the lowest
         if best is None or modeled < best[0]:
             best = (modeled, plan_obj, decisions, result, problem)
+            best_text = text
         if budget_bytes is None or modeled <= budget_bytes or round_ == SETTLE_ROUNDS:
             break
         assert budget_bytes is not None
@@ -1411,6 +1419,7 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
             modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (planned)"), platform="tpu").peak_bytes)
             if modeled < best[0]:
                 best = (modeled, plan_obj, decisions, result, problem)
+                best_text = text
     modeled, plan_obj, decisions, result, problem = best
     # One figure for the planned step: the memory model's (what ``hloopt analyze`` predicts for the
     # step lowered with the plan), which is the figure checked against the budget; the replay's
@@ -1418,14 +1427,37 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     plan_obj = dataclasses.replace(plan_obj, predicted=dataclasses.replace(
         plan_obj.predicted, peak_bytes=modeled, model_peak_bytes=modeled,
         replay_peak_bytes=plan_obj.predicted.peak_bytes))
-    note = None
-    if budget_bytes is not None and modeled > budget_bytes:
-        from hloopt.units import format_bytes
+    from hloopt.units import format_bytes
 
-        note = (f"the memory model puts the planned step at {format_bytes(modeled)}, over the budget "
+    over = None
+    if budget_bytes is not None and modeled > budget_bytes:
+        over = (f"the memory model puts the planned step at {format_bytes(modeled)}, over the budget "
                 f"{format_bytes(budget_bytes)}: no plan it puts within the budget was found "
                 f"(hloopt verify --compile tpu-... gives the compiler's figure)")
-    return plan_obj, decisions, result, problem, note
+    return plan_obj, decisions, result, problem, over, offloads_beyond_the_plan(plan_obj, best_text)
+
+
+def offloads_beyond_the_plan(plan_obj: Any, planned_text: str) -> str | None:
+    """A note when the step lowered with the plan's policy (``planned_text``) offloads more values
+    than the plan decides to offload; None otherwise.
+
+    A primitive rule (primitive and output shape) can select values the everything-saved step does
+    not save: under the plan's policy more of the step is recomputed, and its values of that shape
+    are saved -- and offloaded -- too. The memory model's figure for the planned step counts them;
+    the plan's time does not (a flax scan step with ``jax.nn.dot_product_attention``: 32 reshapes
+    offloaded for 24 planned)."""
+    from hloopt.units import format_bytes
+    from hloopt.verify import offload_annotations
+
+    annotated = offload_annotations(planned_text)
+    planned = sum(d.layers for d in plan_obj.of("offload"))
+    moved = sum(a.count for a in annotated)
+    if moved <= planned:
+        return None
+    moved_bytes = format_bytes(sum(a.count * a.bytes for a in annotated))
+    return (f"the plan's policy offloads {moved} value(s) ({moved_bytes}) where the plan decides {planned}: "
+            "a rule selects values beyond the residuals it was planned for, which move to host and back "
+            "too (hloopt verify names the rule)")
 
 
 def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,

@@ -188,3 +188,23 @@ def test_cli_exits_2_with_one_line_for_bad_plans(tmp_path: Path, content: str,
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"hloopt: error: {path}: "), err
+
+
+def test_a_policy_that_offloads_more_values_than_the_plan_decides_is_told() -> None:
+    """The step lowered with the plan's policy: two values annotated for host memory (f32[8],
+    32 B each) where the plan offloads one name over one layer; with two layers planned, none."""
+    from hloopt.pipeline import offloads_beyond_the_plan
+
+    text = """HloModule m
+ENTRY e {
+  x = f32[8]{0} parameter(0)
+  a = f32[8]{0} negate(x)
+  b = f32[8]{0} exponential(x)
+  ha = f32[8]{0} custom-call(a), custom_call_target="annotate_device_placement", custom_call_has_side_effect=true, frontend_attributes={_xla_buffer_placement="pinned_host"}
+  hb = f32[8]{0} custom-call(b), custom_call_target="annotate_device_placement", custom_call_has_side_effect=true, frontend_attributes={_xla_buffer_placement="pinned_host"}
+  ROOT r = (f32[8]{0}, f32[8]{0}) tuple(ha, hb)
+}
+"""
+    note = offloads_beyond_the_plan(make_plan((named("q", layers=1),)), text)
+    assert note is not None and note.startswith("the plan's policy offloads 2 value(s) (64 B) where the plan decides 1:")
+    assert offloads_beyond_the_plan(make_plan((named("q", layers=2),)), text) is None

@@ -247,6 +247,8 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
         console.print(f"note: {o.choice_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
     if o.settle_note:  # type: ignore[attr-defined]
         console.print(f"warning: {o.settle_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
+    if o.policy_note:  # type: ignore[attr-defined]
+        console.print(f"warning: {o.policy_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
     hint = o.unmovable_line()  # type: ignore[attr-defined]
     if hint:
         console.print(hint, markup=False, highlight=False)  # type: ignore[attr-defined]
