@@ -160,16 +160,27 @@ def test_a_rule_that_selects_more_than_its_residuals_may_recompute_but_not_offlo
     assert residual_lines(recompute) == ["14", "9"]
 
 
+def _names_of_written_step(tmp_path, stem: str, source: str):  # type: ignore[no-untyped-def]
+    """``source`` written to ``tmp_path/stem.py`` (a ``make`` factory), lowered for a plan with
+    every residual saved: its residuals and the names the plan gives them."""
+    from hloopt import pipeline
+    from hloopt.passes.residuals import find_residuals
+    from hloopt.targets import resolve
+
+    (tmp_path / f"{stem}.py").write_text(source)
+    prof = load_profile("tpu-v5e")
+    tgt = resolve(f"{tmp_path}/{stem}.py:make")
+    module, _ = pipeline.lower_for_plan(tgt, prof)
+    return find_residuals(module), pipeline._names_for(tgt, module, prof, platform=None)
+
+
 def test_a_name_on_a_line_with_look_alikes_selects_only_its_own_values(tmp_path) -> None:
     """One line computes q, k and v and names only their combination (as a call into a library
     layer does: flax NNX's attention, whose every op is located at the user's line). With
     everything saved, q, k, v and the named value are each marked at that line with the same
     size; the name selects its own value per layer (2 layers), not the look-alikes."""
-    from hloopt import pipeline
-    from hloopt.passes.residuals import find_residuals
-    from hloopt.targets import resolve
-
-    (tmp_path / "lookalike.py").write_text(
+    rs, names = _names_of_written_step(
+        tmp_path, "lookalike",
         "import jax\nimport jax.numpy as jnp\nfrom jax.ad_checkpoint import checkpoint_name\n\n\n"
         "def layer(x, wq, wk, wv):\n"
         "    o = checkpoint_name(jnp.tanh(x @ wq) * jnp.sin(x @ wk) + jnp.cos(x @ wv), 'attn')\n"
@@ -183,11 +194,6 @@ def test_a_name_on_a_line_with_look_alikes_selects_only_its_own_values(tmp_path)
         "        return jax.value_and_grad(loss)(ws, x)\n"
         "    w = jax.ShapeDtypeStruct((128, 128), jnp.float32)\n"
         "    return step, ([(w, w, w)] * 2, jax.ShapeDtypeStruct((16, 128), jnp.float32))\n")
-    prof = load_profile("tpu-v5e")
-    tgt = resolve(f"{tmp_path}/lookalike.py:make")
-    module, _ = pipeline.lower_for_plan(tgt, prof)
-    names = pipeline._names_for(tgt, module, prof, platform=None)
-    rs = find_residuals(module)
     line = [r for r in rs if r.source and r.source[1] == 7 and r.dtype == "f32" and r.per_layer_dims == (16, 128)]
     assert len(line) > 2  # the look-alikes are residuals too
     named = [r for r in rs if names.get(r.inst.name) == "attn"]
@@ -199,11 +205,8 @@ def test_a_name_whose_value_is_no_residual_names_no_look_alike_on_another_line(t
     """Layers under ``lax.scan``. With everything saved, the backward pass reads the reshape of
     ``q``, not ``q``: the name selects no residual of that step. The layer's ``h`` (line 7, no
     name called there) has q's dtype, dims and layers; it must not take the name by its shape."""
-    from hloopt import pipeline
-    from hloopt.passes.residuals import find_residuals
-    from hloopt.targets import resolve
-
-    (tmp_path / "unread.py").write_text(
+    rs, names = _names_of_written_step(
+        tmp_path, "unread",
         "import jax\nimport jax.numpy as jnp\nfrom jax.ad_checkpoint import checkpoint_name\n\n\n"
         "def layer(x, w):\n"
         "    h = jnp.sin(x) * 2.0\n"
@@ -217,10 +220,5 @@ def test_a_name_whose_value_is_no_residual_names_no_look_alike_on_another_line(t
         "        return jax.value_and_grad(loss)(ws, x)\n"
         "    ws = jax.ShapeDtypeStruct((4, 128, 128), jnp.float32)\n"
         "    return step, (ws, jax.ShapeDtypeStruct((16, 128), jnp.float32))\n")
-    prof = load_profile("tpu-v5e")
-    tgt = resolve(f"{tmp_path}/unread.py:make")
-    module, _ = pipeline.lower_for_plan(tgt, prof)
-    names = pipeline._names_for(tgt, module, prof, platform=None)
-    rs = find_residuals(module)
     assert any(r.source and r.source[1] == 7 and r.per_layer_dims == (16, 128) for r in rs)
     assert [r.inst.name for r in rs if names.get(r.inst.name) == "q"] == []
