@@ -68,6 +68,7 @@ Invariant: ``timeline_bytes[peak_step] == peak_bytes`` and the categories at the
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import ClassVar
@@ -408,8 +409,8 @@ def on_chip_value_ranges(lr: LiveRanges, start: list[int], end: list[int]) -> li
         defs[0] = min(defs[0], start[bid])
         for k, t in enumerate(defs):
             if k + 1 < len(defs):
-                nxt = defs[k + 1]
-                last = max((r for r in rs if t <= r <= nxt), default=t)
+                j = bisect_right(rs, defs[k + 1]) - 1  # the last read up to the next definition
+                last = rs[j] if j >= 0 and rs[j] >= t else t
             else:
                 last = max(end[bid], t)
             out.append((bid, t, last, size))
