@@ -23,6 +23,7 @@ memory-space assignment keeps in VMEM); compiled modules exact.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -307,15 +308,24 @@ PROGRAMS = {"linen_named_bf16": linen_named_bf16, "nnx_scan": nnx_scan, "equinox
             "mlp_adamw": mlp_adamw}
 
 
-def _lowered(name: str, **kw: Any):  # type: ignore[no-untyped-def]
+def _lowered(name: str, compile: str | None = None):  # type: ignore[no-untyped-def]
+    """The step ``name`` lowered for TPU (and compiled by libtpu with ``compile``), once per
+    module run: the prediction and the compiled-module tests read the same compile."""
     from hloopt import lowering
-    from hloopt.frameworks import jittable
 
     if not lowering.has_libtpu():
         pytest.skip("needs libtpu (pip install 'hloopt[tpu]')")
+    return _lower_once(name, compile)
+
+
+@functools.lru_cache(maxsize=None)
+def _lower_once(name: str, compile: str | None):  # type: ignore[no-untyped-def]
+    from hloopt import lowering
+    from hloopt.frameworks import jittable
+
     step, args = PROGRAMS[name]()
     step, args, kwargs = jittable(step, args, {})
-    return lowering.lower(step, *args, platform="tpu", **kwargs, **kw)
+    return lowering.lower(step, *args, platform="tpu", compile=compile, **kwargs)
 
 
 @pytest.mark.parametrize("name", [
