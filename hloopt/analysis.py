@@ -48,7 +48,8 @@ class MemoryReport:
     #: the compiler's memory_analysis() figures when compiled here, or from a snapshot's JSON
     xla: Mapping[str, int] | None = None
     settings: dict[str, Any] = field(default_factory=dict)
-    #: what the reader should know about the figures (a TPU prediction's known blind spots)
+    #: what the reader should know: what the step itself could change (:func:`step_notes`), then
+    #: a TPU prediction's known blind spots (:func:`prediction_notes`)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -290,7 +291,7 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
     if isinstance(target, Module):
         prof, s = profile_module(target, platform=platform, schedule=schedule, top=top,
                                  code_bytes=_code(xla), libtpu=libtpu)
-        return MemoryReport(target.name, "hlo", prof, xla, s, prediction_notes(prof, s))
+        return MemoryReport(target.name, "hlo", prof, xla, s, step_notes(prof) + prediction_notes(prof, s))
     from hloopt.targets import resolve
 
     t = resolve(str(target), size=size)
@@ -302,7 +303,7 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
         xla = xla if xla is not None else _snapshot_figures(t.path)
         prof, s = profile_module(module, platform=platform, schedule=schedule, top=top, code_bytes=_code(xla),
                                  libtpu=libtpu)
-        return MemoryReport(module.name, "hlo", prof, xla, s, prediction_notes(prof, s))
+        return MemoryReport(module.name, "hlo", prof, xla, s, step_notes(prof) + prediction_notes(prof, s))
 
     from hloopt.lowering import lower
 
@@ -311,7 +312,8 @@ def analyze(target: str | Path | Module, *, platform: str | None = None, compile
     if compile is None:
         module = parse_module(lowered.hlo_text, filename=str(target))
         prof, s = profile_module(module, platform=plat, schedule=schedule, top=top, libtpu=libtpu)
-        return MemoryReport(module.name, f"lowered:{plat}", prof, None, s, prediction_notes(prof, s))
+        return MemoryReport(module.name, f"lowered:{plat}", prof, None, s,
+                            step_notes(prof) + prediction_notes(prof, s))
     assert lowered.compiled_text is not None
     module = parse_module(lowered.compiled_text, filename=str(target))
     figures = dict(lowered.memory or {})
@@ -368,13 +370,12 @@ def step_notes(prof: MemoryProfile) -> list[str]:
 
 
 def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[str]:
-    """What the user can change in the step (:func:`step_notes`), and the known blind spots of a
-    TPU prediction that apply to this module (passes/memory.py)."""
-    notes = step_notes(prof)
+    """Known blind spots of a TPU prediction that apply to this module (passes/memory.py)."""
     if settings.get("kind") != "tpu-predicted":
-        return notes
+        return []
     from hloopt.passes.residuals import offloaded_source
 
+    notes: list[str] = []
     steps = prof.ranges.steps
     batches = [b for b in (_conv_batch(i) for i in steps if i.opcode == "convolution") if b]
     narrow = sum(1 for b in batches if b < 8)

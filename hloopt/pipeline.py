@@ -1373,15 +1373,15 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
 
     target = aim or budget_bytes or 0  # the budget the replay searched under
     best = None
-    best_text = ""
     eager = [c for c in problem.candidates if f"eager:{c.key}" in problem.notes and Action.OFFLOAD in c.allowed]
     for round_ in range(SETTLE_ROUNDS + 1):
-        text = lower(tgt, platform=platform or "tpu", policy=policy(plan_obj)).hlo_text
-        modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (planned)"), platform="tpu").peak_bytes)
+        planned = parse_module(lower(tgt, platform=platform or "tpu", policy=policy(plan_obj)).hlo_text,
+                               filename=f"{tgt.name} (planned)")
+        beyond = offloads_beyond_the_plan(plan_obj, planned)
+        modeled = int(analyze(planned, platform="tpu").peak_bytes)
         # the first plan that fits (the fastest: searched under the loosest budget), else the lowest
         if best is None or modeled < best[0]:
-            best = (modeled, plan_obj, decisions, result, problem)
-            best_text = text
+            best = (modeled, plan_obj, decisions, result, problem, beyond)
         if budget_bytes is None or modeled <= budget_bytes or round_ == SETTLE_ROUNDS:
             break
         assert budget_bytes is not None
@@ -1415,12 +1415,13 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         if decisions.actions:
             result = simulate(problem, decisions)
             plan_obj = build(problem, decisions, result)
-            text = lower(tgt, platform=platform or "tpu", policy=policy(plan_obj)).hlo_text
-            modeled = int(analyze(parse_module(text, filename=f"{tgt.name} (planned)"), platform="tpu").peak_bytes)
+            planned = parse_module(lower(tgt, platform=platform or "tpu", policy=policy(plan_obj)).hlo_text,
+                                   filename=f"{tgt.name} (planned)")
+            beyond = offloads_beyond_the_plan(plan_obj, planned)
+            modeled = int(analyze(planned, platform="tpu").peak_bytes)
             if modeled < best[0]:
-                best = (modeled, plan_obj, decisions, result, problem)
-                best_text = text
-    modeled, plan_obj, decisions, result, problem = best
+                best = (modeled, plan_obj, decisions, result, problem, beyond)
+    modeled, plan_obj, decisions, result, problem, beyond = best
     # One figure for the planned step: the memory model's (what ``hloopt analyze`` predicts for the
     # step lowered with the plan), which is the figure checked against the budget; the replay's
     # stays what the search compared choices by.
@@ -1434,12 +1435,12 @@ def _settle_on_the_model(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         over = (f"the memory model puts the planned step at {format_bytes(modeled)}, over the budget "
                 f"{format_bytes(budget_bytes)}: no plan it puts within the budget was found "
                 f"(hloopt verify --compile tpu-... gives the compiler's figure)")
-    return plan_obj, decisions, result, problem, over, offloads_beyond_the_plan(plan_obj, best_text)
+    return plan_obj, decisions, result, problem, over, beyond
 
 
-def offloads_beyond_the_plan(plan_obj: Any, planned_text: str) -> str | None:
-    """A note when the step lowered with the plan's policy (``planned_text``) offloads more values
-    than the plan decides to offload; None otherwise.
+def offloads_beyond_the_plan(plan_obj: Any, planned: Module | str) -> str | None:
+    """A note when the step lowered with the plan's policy (``planned``, a module or its text)
+    offloads more values than the plan decides to offload; None otherwise.
 
     A primitive rule (primitive and output shape) can select values the everything-saved step does
     not save: under the plan's policy more of the step is recomputed, and its values of that shape
@@ -1449,13 +1450,13 @@ def offloads_beyond_the_plan(plan_obj: Any, planned_text: str) -> str | None:
     from hloopt.units import format_bytes
     from hloopt.verify import offload_annotations
 
-    annotated = offload_annotations(planned_text)
-    planned = sum(d.layers for d in plan_obj.of("offload"))
+    annotated = offload_annotations(planned)
+    decided = sum(d.layers for d in plan_obj.of("offload"))
     moved = sum(a.count for a in annotated)
-    if moved <= planned:
+    if moved <= decided:
         return None
     moved_bytes = format_bytes(sum(a.count * a.bytes for a in annotated))
-    return (f"the plan's policy offloads {moved} value(s) ({moved_bytes}) where the plan decides {planned}: "
+    return (f"the plan's policy offloads {moved} value(s) ({moved_bytes}) where the plan decides {decided}: "
             "a rule selects values beyond the residuals it was planned for, which move to host and back "
             "too (hloopt verify names the rule)")
 

@@ -304,10 +304,9 @@ def _second_opinion(hlo_text: str, plan: Plan) -> tuple[int | None, tuple[str, .
     (module docstring); (None, ()) for a plan made for a GPU."""
     if plan.device.get("kind") != "tpu":
         return None, ()
-    from hloopt.analysis import analyze, step_notes
+    from hloopt.analysis import analyze, prediction_notes
     from hloopt.hlo.parser import parse_module
 
     report = analyze(parse_module(hlo_text, filename="<verify>"), platform="tpu")
-    # advice on the step itself (donation) is analyze's to give, not a warning about the plan
-    advice = set(step_notes(report.profile))
-    return report.peak_bytes, tuple(n for n in report.notes if n not in advice)
+    # the prediction's blind spots; advice on the step itself (donation) is analyze's to give
+    return report.peak_bytes, tuple(prediction_notes(report.profile, report.settings))
