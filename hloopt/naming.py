@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hloopt.errors import UserError
@@ -329,6 +329,64 @@ def _moved_by(baseline: ResidualSet, single: ResidualSet, taken: frozenset[str] 
     return out
 
 
+#: ops that pass a value on unchanged (looked through to find where a function first uses it)
+_PASS_ON = frozenset({"bitcast", "reshape", "copy", "convert", "broadcast", "transpose", "get-tuple-element",
+                      "reduce-precision", "opt-barrier", "optimization-barrier"})
+#: users that store or carry a value rather than compute with it
+_NOT_A_USE = frozenset({"dynamic-update-slice", "tuple", "custom-call", "while", "call", "parameter"})
+
+
+def first_use_text(module: Any, r: Residual) -> str | None:
+    """``file:line`` where the forward pass first computes with ``r`` (for a scan's stack, the
+    value a loop iteration writes into it): for the argument of a checkpointed function, the
+    function's first use of it, where a ``checkpoint_name`` would have to go."""
+    from hloopt.passes.residuals import LIBRARY_PATHS
+
+    value = r.producer if r.stacked else r.inst
+    frontier, seen, uses = [value], {id(value)}, []
+    while frontier:
+        inst = frontier.pop()
+        for u in inst.users:
+            if id(u) in seen or u.parent is not value.parent:
+                continue
+            seen.add(id(u))
+            if u.opcode in _PASS_ON:
+                frontier.append(u)
+            elif u.opcode not in _NOT_A_USE and (r.stacked or u.index < r.first_backward_use):
+                uses.append(u)
+    for u in sorted(uses, key=lambda u: u.index):
+        loc = module.user_source_of(u, skip=LIBRARY_PATHS)
+        if loc is not None:
+            return f"{loc[0]}:{loc[1]}"  # as Residual.source_text writes its own
+    return None
+
+
+def checkpoint_inputs(target: Any, baseline: ResidualSet, *, platform: str = "tpu") -> dict[str, str | None]:
+    """Residuals of ``baseline`` that JAX saves whatever the checkpoint policy, by instruction
+    name, with where the forward pass first uses each (:func:`first_use_text`).
+
+    A checkpointed function's arguments are what its backward pass recomputes from: JAX keeps
+    them, and a policy decides only the values computed inside (a scan's per-layer carry, the
+    output of one checkpointed layer entering the next). Told by lowering the step once more
+    with every policy saving nothing (``nothing_saveable``): the residuals left under a
+    checkpoint are those arguments; the baseline's residuals of the same producing op, line and
+    shape are them. The way to let a policy move one is to name it inside the function, before
+    its first use (``x = checkpoint_name(x, "layer_input")``): the recomputation then reads the
+    named value, which a policy may offload, instead of the argument."""
+    import jax
+
+    from hloopt.passes.residuals import under_checkpoint
+
+    bare = find_residuals(lower_module(target, policy=jax.checkpoint_policies.nothing_saveable, platform=platform))
+    left = Counter(_sig(r) for r in bare if not r.offloaded and under_checkpoint(r))
+    out: dict[str, str | None] = {}
+    for r in baseline:
+        if not r.offloaded and left[_sig(r)] > 0:
+            left[_sig(r)] -= 1
+            out[r.inst.name] = first_use_text(baseline.module, r)
+    return out
+
+
 @dataclass(frozen=True)
 class TargetResiduals:
     """What ``hloopt residuals`` shows: the residuals, names if known, and the peak they share."""
@@ -341,6 +399,9 @@ class TargetResiduals:
     peak_bytes: int | None
     #: what the peak counts (hloopt analyze's profile for the platform: a TPU prediction for TPU)
     peak_source: str = "hloopt memory model"
+    #: residuals saved whatever the policy (checkpointed functions' arguments), by instruction
+    #: name, with where the forward pass first uses each (:func:`checkpoint_inputs`)
+    inputs: Mapping[str, str | None] = field(default_factory=dict)
 
     @property
     def coverage(self) -> float | None:
@@ -388,7 +449,9 @@ def residuals_of(target: str, *, size: str | None = None, platform: str = "tpu",
 
     imports = frozenset(imported_by(tgt.factory)) if tgt.factory is not None else frozenset()
     peak, source = _peak(module, platform=platform)
-    return TargetResiduals(residuals=rs, probe=probe, imports=imports, peak_bytes=peak, peak_source=source)
+    inputs = checkpoint_inputs(tgt, rs, platform=platform) if names and tgt.kind == "jax" else {}
+    return TargetResiduals(residuals=rs, probe=probe, imports=imports, peak_bytes=peak, peak_source=source,
+                           inputs=inputs)
 
 
 #: what each kind of hloopt analyze's profile counts (hloopt.analysis.settings_for)

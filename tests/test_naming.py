@@ -173,3 +173,76 @@ def test_a_name_saved_by_an_unrolled_scan_is_found(tmp_path: Path, unroll: int) 
     named = [r for r in probe.residuals if r.name == "pre"]
     assert len(named) == 1 and named[0].bytes == 4 * 32 * 256 * 4
     assert named[0].primitive != "concatenate"
+
+
+ARGUMENTS = """
+    import jax, jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    def layer(x, w):
+        if NAME_INPUT:
+            x = checkpoint_name(x, "layer_input")
+        h = jnp.tanh(x @ w["a"])
+        return x + h @ w["b"]
+
+    def make(scan=True):
+        f = jax.checkpoint(layer)  # JAX's default policy: save nothing, recompute everything
+
+        def loss(params, x):
+            if scan:
+                x, _ = jax.lax.scan(lambda c, w: (f(c, w), None), x, params)
+            else:
+                for i in range(4):
+                    x = f(x, jax.tree.map(lambda p: p[i], params))
+            return jnp.mean(x ** 2)
+
+        def step(params, x):
+            return jax.value_and_grad(loss)(params, x)
+
+        params = {"a": jax.ShapeDtypeStruct((4, 64, 256), jnp.float32),
+                  "b": jax.ShapeDtypeStruct((4, 256, 64), jnp.float32)}
+        return step, (params, jax.ShapeDtypeStruct((32, 64), jnp.float32))
+"""
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_checkpointed_functions_argument_is_saved_whatever_the_policy(tmp_path: Path, scan: bool) -> None:
+    """Truth from the HLO JAX emits: with JAX's default policy the step saves only the layers'
+    inputs (a scan's carry stack, or each unrolled layer's input), and no policy moves them:
+    lowered with every value offloadable they are still device residuals. ``checkpoint_inputs``
+    finds exactly those, with the layer's first use of its input (``x @ w["a"]``, line 8). Named
+    there as the advice says, a policy offloading that name offloads them."""
+    import textwrap
+
+    from hloopt.naming import checkpoint_inputs, lower_module, offload_policy
+    from hloopt.passes.residuals import find_residuals, under_checkpoint
+
+    src = textwrap.dedent(ARGUMENTS)
+    plain, named = tmp_path / "plain.py", tmp_path / "named.py"
+    plain.write_text(src.replace("NAME_INPUT", "False"))
+    named.write_text(src.replace("NAME_INPUT", "True"))
+    target = resolve(f"{plain}:make", factory_kwargs={"scan": scan})
+    baseline = find_residuals(lower_module(target))
+    layer_inputs = [r for r in baseline if under_checkpoint(r)]
+    assert all(r.per_layer_dims == (32, 64) for r in layer_inputs)
+    # a scan stacks all 4 layers' inputs; unrolled, the first layer's input is the step's argument
+    assert sum(r.layers for r in layer_inputs) == (4 if scan else 3)
+
+    def everything_offloaded(prim, *_, **__):  # type: ignore[no-untyped-def]
+        from jax.ad_checkpoint import Offloadable
+        return Offloadable(src="device", dst="pinned_host")
+
+    kept = find_residuals(lower_module(target, policy=everything_offloaded))
+    assert sum(r.bytes for r in kept if not r.offloaded and under_checkpoint(r)) == \
+        sum(r.bytes for r in layer_inputs)
+
+    inputs = checkpoint_inputs(target, baseline)
+    assert set(inputs) == {r.inst.name for r in layer_inputs}
+    assert set(inputs.values()) == {f"{layer_inputs[0].source[0]}:8"}
+    assert layer_inputs[0].source[0].endswith("plain.py")
+
+    moved = find_residuals(lower_module(resolve(f"{named}:make", factory_kwargs={"scan": scan}),
+                                        policy=offload_policy(["layer_input"])))
+    assert not [r for r in moved if not r.offloaded and under_checkpoint(r)]
+    # every layer's input, the first unrolled layer's (the step's argument) too once named
+    assert sum(r.bytes for r in moved if r.offloaded) == 4 * 32 * 64 * 4

@@ -35,6 +35,8 @@ def residuals(target: str, size: str | None, platform: str, no_names: bool, as_j
                       quiet=quiet or as_json):
             result = residuals_of(target, size=size, platform=platform, names=not no_names)
         rows = describe(result.residuals, peak_bytes=result.peak_bytes)
+    for r in rows:
+        r["saved_whatever_policy"] = r["instruction"] in result.inputs
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -66,8 +68,24 @@ def _table(result, rows) -> None:  # type: ignore[no-untyped-def]
     for line in (result.unmovable_line(), result.input_slices_line()):
         if line:
             click.echo(line)
+    line = largest_unnamed_line(result, rows)
+    if line:
+        click.echo(line)
+
+
+def largest_unnamed_line(result, rows) -> str | None:  # type: ignore[no-untyped-def]
+    """Where to put a ``checkpoint_name`` so that a policy can select the largest unnamed
+    residual: on its own line for a value computed inside a checkpoint; inside the function that
+    receives it for a checkpointed function's argument, which JAX saves whatever the policy
+    (:func:`hloopt.naming.checkpoint_inputs`)."""
     unnamed = [r for r in rows if not r["name"] and r["source"] and r["under_checkpoint"]]
-    if unnamed and result.coverage is not None:
-        big = unnamed[0]
-        click.echo(f"largest unnamed: {format_bytes(int(big['bytes']))} {big['producer']} at {big['source']}: "
-                   f"wrap it in checkpoint_name(...) there to let a policy select it")
+    if not unnamed or result.coverage is None:
+        return None
+    big = unnamed[0]
+    what = f"largest unnamed: {format_bytes(int(big['bytes']))} {big['producer']} at {big['source']}"
+    if big["instruction"] not in result.inputs:
+        return f"{what}: wrap it in checkpoint_name(...) there to let a policy select it"
+    first = result.inputs[big["instruction"]]
+    return (f"{what} is a checkpointed function's argument, saved whatever the policy: name it inside that "
+            f"function before its first use{f' ({first})' if first else ''}, x = checkpoint_name(x, \"layer_input\"), "
+            "and a policy can offload it")

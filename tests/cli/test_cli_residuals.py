@@ -68,3 +68,24 @@ def test_jax_target_names_the_layer_input_stack() -> None:
     assert [(r["name"], r["layers"], r["shape"], r["selectable_by"]) for r in named] == [
         ("decoder_layer_input", 2, "f32[2,2,32,64]", "checkpoint_name 'decoder_layer_input'")]
     assert all(r["key"].startswith("prim:") and r["source"] for r in rows if not r["name"])
+
+
+def test_the_advice_for_a_layers_argument_names_the_layers_first_use(tmp_path: Path) -> None:
+    """A checkpointed layer's argument (here a scan's carry) is no value a checkpoint_name on its
+    own line lets a policy select: the table's advice points inside the layer, where its first
+    use is (``x @ w["a"]``, line 8 of the program), and the JSON rows say which residuals no
+    policy moves (tests/test_naming.py checks that claim against the HLO JAX emits)."""
+    import textwrap
+
+    from tests.test_naming import ARGUMENTS
+
+    path = tmp_path / "layers.py"
+    path.write_text(textwrap.dedent(ARGUMENTS).replace("NAME_INPUT", "False"))
+    code, out = run(f"{path}:make", "-q")
+    assert code == 0
+    advice = [line for line in out.splitlines() if line.startswith("largest unnamed")]
+    assert len(advice) == 1 and "checkpointed function's argument" in advice[0]
+    assert "layers.py:8" in advice[0]
+    code, out = run(f"{path}:make", "--json")
+    rows = json.loads(out)
+    assert [r["layers"] for r in rows if r["saved_whatever_policy"]] == [4]
