@@ -563,6 +563,60 @@ def _own_tpu_devices(*trees: Any) -> tuple[str, list[Any]] | None:
     return f"the step's own mesh ({len(best)} x {getattr(best[0], 'device_kind', 'TPU')})", best
 
 
+#: what libtpu prints to stderr when it starts on a machine without a TPU: it looks for the
+#: Cloud TPU VM's accelerator type and worker hostnames, finds none, and says so. The deviceless
+#: compile works regardless; a user reading ``verify --compile`` output would take them for errors.
+_TPU_START_NOISE = re.compile(
+    r"could not determine TPU|Failed to find host bounds|Logging before InitGoogle|unexpected worker hostname"
+    r"|^=== Source Location Trace|libtpu_init_utils\.cc|^\s*$")
+
+
+@contextlib.contextmanager
+def _quiet_tpu_runtime_start() -> Iterator[None]:
+    """Hold back libtpu's start-up lines on a machine without a TPU (:data:`_TPU_START_NOISE`):
+    file descriptor 2 goes to a temporary file while the topology is built, and what it caught
+    is written back afterwards except those lines; everything when the call fails. Nothing is
+    held back where a TPU is attached (there the lines mean something) or after the first call
+    (libtpu starts once per process)."""
+    global _tpu_started
+    if _tpu_started or _tpu_attached():
+        yield
+        return
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    failed = True
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+            failed = False
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            _tpu_started = True
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            kept = lines if failed else [ln for ln in lines if not _TPU_START_NOISE.search(ln)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+_tpu_started = False
+
+
+def _tpu_attached() -> bool:
+    """Whether this machine has a TPU on its PCI bus (JAX's own test, where it has one)."""
+    try:
+        from jax._src import hardware_utils
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except Exception:  # another jax: assume one, and hold nothing back
+        return True
+
+
 def _tpu_devices(compile: str, n_devices: int) -> tuple[str, list[Any]]:
     if not has_libtpu():
         raise UserError("TPU compile needs libtpu: pip install 'hloopt[tpu]'")
@@ -571,7 +625,8 @@ def _tpu_devices(compile: str, n_devices: int) -> tuple[str, list[Any]]:
 
     for name in TPU_TOPOLOGIES[compile]:
         try:
-            topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
+            with _quiet_tpu_runtime_start():
+                topo = topologies.get_topology_desc(topology_name=name, platform="tpu")
         except jax.errors.JaxRuntimeError as err:
             raise xla_error(err, compile) from err
         if len(topo.devices) >= n_devices:

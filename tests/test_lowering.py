@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import subprocess
+import textwrap
 import sys
 from pathlib import Path
 
@@ -212,3 +213,32 @@ def test_v5e_compile_per_model_family(model: str, topology: str) -> None:
     _same_compiler_as(facts, f"{model}.tpu-v5e.json")
     assert dict(result.memory or {}) == facts["memory"]
     assert facts["memory"]["host_temp_size_in_bytes"] == 0 < facts["memory"]["argument_size_in_bytes"]
+
+
+@pytest.mark.slow
+def test_a_deviceless_tpu_compile_prints_no_libtpu_start_up_complaints(tmp_path: Path) -> None:
+    """libtpu, started on a machine without a TPU, complains on stderr that it found no
+    accelerator type or worker hostnames (and compiles regardless); hloopt holds those lines
+    back and nothing else: the compile's figure is what JAX's own deviceless compile reports,
+    and a line the program itself writes to stderr while the topology is built still shows."""
+    code = textwrap.dedent("""
+        import os, sys
+        import hloopt.lowering as lowering
+        from hloopt.lowering import _tpu_attached
+        assert not _tpu_attached()
+        import jax, jax.numpy as jnp
+        with lowering._quiet_tpu_runtime_start():
+            os.write(2, b"the program's own line\\n")
+            from jax.experimental import topologies
+            topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+        s = jax.sharding.SingleDeviceSharding(topo.devices[0])
+        x = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=s)
+        m = jax.jit(lambda a: (a @ a).sum()).lower(x).compile().memory_analysis()
+        print(m.argument_size_in_bytes)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(256 * 256 * 4)]
+    assert "the program's own line" in proc.stderr
+    for noise in ("could not determine TPU", "Failed to find host bounds", "unexpected worker hostname"):
+        assert noise not in proc.stderr
