@@ -6,8 +6,8 @@ import dataclasses
 import json
 import math
 import subprocess
-import textwrap
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
