@@ -22,7 +22,7 @@ from hloopt.units import format_bytes
 #: packages models are built with, whose frames never locate an op for a user (the model's own
 #: files, transformers' or levanter's or MaxText's, are not among them)
 FRAMEWORK_PACKAGES: tuple[str, ...] = (
-    "flax", "equinox", "haliax", "optax", "chex", "jaxtyping", "jmp", "orbax", "qwix", "aqt",
+    "flax", "equinox", "haliax", "haiku", "penzai", "optax", "chex", "jaxtyping", "jmp", "orbax", "qwix", "aqt",
 )
 
 #: (package, how to turn checkpointing on), most specific first
@@ -34,6 +34,7 @@ REMAT_SWITCHES: tuple[tuple[str, str], ...] = (
                      "gradient_checkpointing=True) or model.enable_gradient_checkpointing())"),
     ("equinox", "wrap each layer's call in eqx.filter_checkpoint (or jax.checkpoint)"),
     ("flax", "wrap each layer in flax.linen.remat (nn.remat(Block)) or flax.nnx.remat"),
+    ("haiku", "wrap each layer's function in hk.remat (hk.remat(block), also under hk.layer_stack)"),
 )
 GENERIC_SWITCH = "wrap each layer in jax.checkpoint (jax.remat)"
 

@@ -108,8 +108,10 @@ def under_checkpoint(res: Residual) -> bool:
     """Whether a policy governs the residual: ``jax.checkpoint`` hands its saved values to the
     backward pass through an optimization barrier (``remat2``), and scanned layers are saved as
     stacked loop outputs; values outside any checkpoint take neither path."""
-    if res.name or res.forward_loop is not None:
+    if res.name:
         return True
+    if res.forward_loop is not None:
+        return _checkpointed_loop(res.backward_loop or res.forward_loop)
     for u in res.backward_users:
         if u.opcode in _BARRIERS:
             return True
@@ -119,6 +121,36 @@ def under_checkpoint(res: Residual) -> bool:
             return True
     text = (res.producer.metadata.op_name + " " + res.inst.metadata.op_name).lower()
     return any(h in text for h in _CHECKPOINT_HINTS)
+
+
+#: loop -> whether its body computes under a checkpoint (the loop is held so its id stays its own)
+_checkpointed_loops: dict[int, tuple[Instruction, bool]] = {}
+
+
+def _checkpointed_loop(loop: Instruction) -> bool:
+    """Whether a scan's body runs under ``jax.checkpoint``: JAX names the ops of a checkpoint's
+    backward ``checkpoint/rematted_computation/...`` and ``remat``. A scan without one stacks
+    every residual of its body too, and no policy moves those."""
+    hit = _checkpointed_loops.get(id(loop))
+    if hit is not None and hit[0] is loop:
+        return hit[1]
+    todo, seen, found = [c for cs in loop.called.values() for c in cs], set(), False
+    while todo and not found:
+        comp = todo.pop()
+        if comp.name in seen:
+            continue
+        seen.add(comp.name)
+        for inst in comp.instructions:
+            text = inst.metadata.op_name
+            if "checkpoint" in text or "remat" in text:
+                found = True
+                break
+            for callees in inst.called.values():
+                todo.extend(callees)
+    if len(_checkpointed_loops) > 256:
+        _checkpointed_loops.clear()
+    _checkpointed_loops[id(loop)] = (loop, found)
+    return found
 
 
 def _placement(inst: Instruction) -> str | None:

@@ -50,6 +50,39 @@ FLAX = """
 """
 
 
+# layers under lax.scan without a checkpoint: the loop stacks every residual of its body, and no
+# policy governs them (a scan is no checkpoint)
+PLAIN_SCAN = """
+    import jax, jax.numpy as jnp
+
+    def make():
+        def step(x, ws):
+            def loss(ws):
+                h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+                return jnp.sum(h)
+            return jax.value_and_grad(loss)(ws)
+        return step, (jax.ShapeDtypeStruct((256, 256), jnp.float32),
+                      jax.ShapeDtypeStruct((3, 256, 256), jnp.float32))
+"""
+
+HAIKU = """
+    import jax, jax.numpy as jnp
+    import haiku as hk
+
+    def forward(x):
+        layer = lambda h: jnp.tanh(hk.Linear(256)(h))
+        return hk.experimental.layer_stack(3)(layer)(x)
+
+    def make():
+        net = hk.without_apply_rng(hk.transform(forward))
+        x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+        params = jax.eval_shape(net.init, jax.random.key(0), x)
+        def step(p, x):
+            return jax.value_and_grad(lambda p: jnp.sum(net.apply(p, x)))(p)
+        return step, (params, x)
+"""
+
+
 def _write(tmp_path, name, source):
     path = tmp_path / name
     path.write_text(textwrap.dedent(source))
@@ -60,11 +93,14 @@ def _cli(*argv):
     return CliRunner().invoke(cli, list(argv))
 
 
-@pytest.mark.parametrize(("source", "switch"), [(PLAIN, GENERIC_SWITCH), (FLAX, remat_switch("flax"))],
-                         ids=["jax", "flax"])
+@pytest.mark.parametrize(("source", "switch"), [(PLAIN, GENERIC_SWITCH), (PLAIN_SCAN, GENERIC_SWITCH),
+                                               (FLAX, remat_switch("flax")), (HAIKU, remat_switch("haiku"))],
+                         ids=["jax", "jax-scan", "flax", "haiku"])
 def test_residuals_says_what_no_policy_moves_and_what_to_turn_on(tmp_path, source, switch) -> None:
     if source is FLAX:
         pytest.importorskip("flax.linen")  # a third-party requirement, not a dev one
+    if source is HAIKU:
+        pytest.importorskip("haiku")
     target = _write(tmp_path, "step.py", source)
     rows = json.loads(_cli("residuals", target, "--json", "--no-names").output)
     assert rows and not any(r["under_checkpoint"] for r in rows)
