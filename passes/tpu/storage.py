@@ -145,9 +145,18 @@ def _final_readers(inst: Instruction, limit: int = 64,
     return out
 
 
+_STORED_VIEWS = frozenset({"bitcast", "reshape", "slice", "transpose"})
+
+
 def bf16_stored(module: Module, fused: set[Instruction]) -> set[Instruction]:
-    """Materialized f32 values XLA stores as bf16: every reader (through tuples and optimization
-    barriers) is an f32 dot/convolution at default precision (:func:`is_bf16_matmul`).
+    """Materialized f32 values XLA stores as bf16: every reader (through tuples, optimization
+    barriers and the views in ``_STORED_VIEWS``) is an f32 dot/convolution at default precision
+    (:func:`is_bf16_matmul`).
+
+    A convert commutes with a reshape, slice or transpose, and XLA moves narrowing converts up
+    through such ops (its ConvertMover pass) to the value itself: a fused q/k/v projection
+    saved whole and sliced three ways into the attention matmuls is stored bf16 like a value
+    the matmuls read directly (a flax ViT's saved ``qkv`` under ``dots_saveable``).
 
     TPU rewrites such readers to read ``convert(value)``; the converts, one per reader, are CSE'd
     into one, which fuses into the value's producer (a kLoop or kOutput fusion then writes bf16),
@@ -163,7 +172,7 @@ def bf16_stored(module: Module, fused: set[Instruction]) -> set[Instruction]:
                 or inst.opcode in ("bitcast", "copy") or not inst.shape.is_array \
                 or inst.shape.element_type != "f32" or inst.shape.num_elements <= 1:
             continue  # forwarders and views carry their source's storage
-        readers = _final_readers(inst, positions=positions)
+        readers = _final_readers(inst, positions=positions, views=_STORED_VIEWS)
         if readers and all(is_bf16_matmul(r) for r in readers):
             out.add(inst)
     return out
