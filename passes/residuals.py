@@ -107,7 +107,12 @@ def input_slice_residuals(rs: "ResidualSet") -> list[Residual]:
 def under_checkpoint(res: Residual) -> bool:
     """Whether a policy governs the residual: ``jax.checkpoint`` hands its saved values to the
     backward pass through an optimization barrier (``remat2``), and scanned layers are saved as
-    stacked loop outputs; values outside any checkpoint take neither path."""
+    stacked loop outputs; values outside any checkpoint take neither path.
+
+    ``jax.checkpoint(f, prevent_cse=False)`` emits no barrier; there the backward ops that read
+    the value say it: JAX names the transpose of a checkpoint ``transpose(...)/checkpoint/...``
+    (flax: ``remat``), whose inputs are what the checkpoint saved (under its policy) or its own
+    arguments, as the barrier's are."""
     if res.name:
         return True
     if res.forward_loop is not None:
@@ -119,7 +124,8 @@ def under_checkpoint(res: Residual) -> bool:
             return True
         if u.opcode == "while":
             return True
-    text = (res.producer.metadata.op_name + " " + res.inst.metadata.op_name).lower()
+    text = " ".join([res.producer.metadata.op_name, res.inst.metadata.op_name,
+                     *(u.metadata.op_name for u in res.backward_users)]).lower()
     return any(h in text for h in _CHECKPOINT_HINTS)
 
 

@@ -348,3 +348,43 @@ def test_a_loop_that_slices_the_steps_inputs_outside_its_checkpoint_saves_the_sl
         assert found == []
     else:
         assert [(r.dtype, r.layers, r.per_layer_dims, r.bytes) for r in found] == [("f32", 4, (64, 128), 4 * 64 * 128 * 4)]
+
+
+@pytest.mark.parametrize("prevent_cse", [True, False])
+def test_what_a_checkpoint_saves_is_under_it_with_or_without_cse_barriers(prevent_cse: bool) -> None:
+    """``jax.checkpoint(f, prevent_cse=False)`` hands its saved values to the backward pass with
+    no optimization barrier; they are still the policy's to move. Truth is JAX's own HLO: the
+    bytes ``nothing_saveable`` stops saving (vs ``everything_saveable``) are all residuals
+    ``under_checkpoint`` finds under a checkpoint, and what stays saved outside any checkpoint
+    (the head's input, a layer's own argument aside) survives ``nothing_saveable``."""
+    import jax
+    import jax.numpy as jnp
+
+    from hloopt.lowering import lower
+    from hloopt.passes.residuals import under_checkpoint
+
+    def layer(x, w):
+        h = x @ w
+        return x + jnp.tanh(h) * jnp.sin(h)
+
+    def residuals(policy):
+        f = jax.checkpoint(layer, prevent_cse=prevent_cse, policy=policy)
+
+        def loss(w, head, x):
+            for _ in range(3):
+                x = f(x, w)
+            return jnp.sum(jnp.tanh(x @ head))
+
+        s = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+        return [r for r in find_residuals(parse_module(lower(jax.value_and_grad(loss), s, s, s,
+                                                             platform="tpu").hlo_text))
+                if not r.offloaded]
+
+    saved = residuals(jax.checkpoint_policies.everything_saveable)
+    kept = residuals(jax.checkpoint_policies.nothing_saveable)
+    governed = sum(r.bytes for r in saved if under_checkpoint(r))
+    outside = sum(r.bytes for r in saved if not under_checkpoint(r))
+    moved = sum(r.bytes for r in saved) - sum(r.bytes for r in kept)
+    assert moved > 0
+    assert governed >= moved
+    assert outside <= sum(r.bytes for r in kept)
