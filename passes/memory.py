@@ -15,7 +15,9 @@ How XLA counts, and the switches that reproduce it (measured on the zoo, see tes
   heap or the host S(5) heap, whichever peaks higher (``on_chip_heap``): for the tiny zoo models
   it is VMEM; at size ``small`` VMEM for mlp and gpt2, HBM for convnet and llama; the host heap
   where a scan offloads a stack inside its loop larger than either (a user's own
-  ``save_and_offload_only_these_names`` over 8 bf16 layers: 180,362,240 B, exact). The VMEM figure replays
+  ``save_and_offload_only_these_names`` over 8 bf16 layers: 180,362,240 B, exact). That last case
+  is read from compiled modules only: the prediction and the planner model the device (HBM and
+  VMEM), since host bytes are not what a budget of device memory limits. The VMEM figure replays
   memory-space assignment's heap trace, one allocation per value and no sharing, so a value a
   loop carries lives per value, and one written in place counts twice where it is written
   (:func:`on_chip_value_ranges`). Generated
@@ -33,7 +35,7 @@ pre-optimization; ``on_chip_bytes`` the VMEM libtpu's memory-space assignment ma
 compiler model's :mod:`hloopt.passes.tpu.msa` gives both sides of libtpu's accounting per step
 (HBM heap with what does not fit VMEM spilled; VMEM heap of the packed temporaries, the
 temporaries inside output allocations and the prefetched parameters), and the timeline is
-``fixed + max(HBM heap, VMEM heap, host heap)``, libtpu's accounting.
+``fixed + max(HBM heap, VMEM heap)``, libtpu's accounting of the device.
 
 Offloads (``prefetch_at_offload``): libtpu starts copying an offloaded value back to the device
 right after it has copied it to the host, wherever the backward pass reads it: in its compiled
@@ -312,9 +314,6 @@ class PeakMemory(Analysis[MemoryProfile]):
                                                on_chip_only=absorbed_ranges,
                                                on_chip_sizes=activation_minor_sizes(lr, movable))
             timeline = [max(h, v) for h, v in zip(hbm_side, on_chip_side)]
-            host_side = _host_heap_side(lr, start, end, sizes, base)
-            if host_side is not None:
-                timeline = [max(t, h) for t, h in zip(timeline, host_side)]
         else:
             unplaced = None
             on_chip_side = None
@@ -357,29 +356,6 @@ class PeakMemory(Analysis[MemoryProfile]):
         )
 
 
-
-
-def _host_heap_side(lr: LiveRanges, start: list[int], end: list[int], sizes: list[int],
-                    base: int) -> list[int] | None:
-    """libtpu's figure per step were its host temporaries' heap the one it reports: the device
-    arguments and outputs, ``base``, and the host temporaries live there (a scan's stack offloaded
-    inside the loop). None when the step has no host temporaries."""
-    n = len(lr.steps)
-    fixed = [0] * (n + 1)
-    host = [0] * (n + 1)
-    for b in lr.buffers:
-        s = start[b.id]
-        if s < 0:
-            continue
-        if b.memory_space == 0 and (b.parameter >= 0 or b.output_indices):
-            fixed[s] += sizes[b.id]
-            fixed[end[b.id] + 1] -= sizes[b.id]
-        elif b.memory_space == HOST_MEMORY_SPACE and b.parameter < 0 and not b.output_indices:
-            host[s] += sizes[b.id]
-            host[end[b.id] + 1] -= sizes[b.id]
-    if not any(host):
-        return None
-    return [base + f + h for f, h in zip(accumulate(fixed[:-1]), accumulate(host[:-1]))]
 
 
 def _settle(by_cat: dict[str, int], delta: int) -> None:
