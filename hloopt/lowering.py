@@ -77,8 +77,10 @@ partitioner and gets ``partitioned_text=None``: its per-device program is ``hlo_
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import hashlib
 import os
 import re
 import sys
@@ -220,12 +222,24 @@ def _lower_and_compile(jax: Any, jitted: Any, label: str, args: tuple[Any, ...],
         Path(dump_dir).mkdir(parents=True, exist_ok=True)
         options = {"xla_dump_to": os.fspath(dump_dir), "xla_dump_hlo_as_text": True}
     if not partitioned:
+        placed = _placed_lowering(jitted, placed_args, placed_kwargs, label, compile)
+        key = None
+        if dump_dir is None:
+            key = (compile, topology, tuple(str(d) for d in devices), os.environ.get("XLA_FLAGS"),
+                   os.environ.get("LIBTPU_INIT_ARGS"),
+                   hashlib.sha256(placed.as_text(debug_info=True).encode()).hexdigest())
+            hit = _COMPILED.get(key)
+            if hit is not None:
+                _COMPILED.move_to_end(key)
+                return dataclasses.replace(hit, platform=platform, hlo_text=hlo_text)
         try:
-            compiled = _placed_lowering(jitted, placed_args, placed_kwargs, label, compile).compile(
-                compiler_options=options)
+            compiled = placed.compile(compiler_options=options)
         except jax.errors.JaxRuntimeError as err:
             raise xla_error(err, compile) from err
-        return _compiled_result(platform, hlo_text, compile, topology, compiled, dump_dir)
+        result = _compiled_result(platform, hlo_text, compile, topology, compiled, dump_dir)
+        if key is not None:
+            _remember(key, result)
+        return result
 
     import tempfile
 
@@ -252,6 +266,20 @@ def _lower_and_compile(jax: Any, jitted: Any, label: str, args: tuple[Any, ...],
                        partitioned_text=part_text, compile_error=error)
     return dataclasses.replace(_compiled_result(platform, hlo_text, compile, topology, compiled, dump_dir),
                                partitioned_text=part_text)
+
+
+#: compiles already made in this process, by the placed module's text and target: the same module
+#: compiled again (verify after plan, a plan re-checked at another budget, a policy compiled side by
+#: side twice) gets the same compiled text and figures, so XLA is asked once. Compiles that write
+#: dump files are not kept. Bounded by the compiled texts' total size (LRU).
+_COMPILED: collections.OrderedDict[tuple[Any, ...], Lowered] = collections.OrderedDict()
+_COMPILED_TEXT_BUDGET = 256 << 20
+
+
+def _remember(key: tuple[Any, ...], result: Lowered) -> None:
+    _COMPILED[key] = result
+    while len(_COMPILED) > 1 and sum(len(r.compiled_text or "") for r in _COMPILED.values()) > _COMPILED_TEXT_BUDGET:
+        _COMPILED.popitem(last=False)
 
 
 def _compiled_result(platform: str, hlo_text: str, compile: str, topology: str | None, compiled: Any,

@@ -247,3 +247,37 @@ def test_a_deviceless_tpu_compile_prints_no_libtpu_start_up_complaints(tmp_path:
     assert "the program's own line" in proc.stderr
     for noise in ("could not determine TPU", "Failed to find host bounds", "unexpected worker hostname"):
         assert noise not in proc.stderr
+
+
+def test_the_same_module_compiled_twice_is_compiled_once(tmp_path: Path) -> None:
+    """The second compile of a module already compiled in this process (the same function: the
+    key holds its source locations, which the compiled text's metadata carries) is served from
+    memory with the same compiled text and figures; another module, and a compile that writes
+    dump files, are compiled (XLA writes the dump)."""
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+
+    def f(a):  # type: ignore[no-untyped-def]
+        return jnp.sin(a) @ a
+
+    def g(a):  # type: ignore[no-untyped-def]
+        return jnp.cos(a) @ a
+
+    calls = []
+    real = lowering._compiled_result
+
+    def counting(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*a, **k)
+
+    lowering._compiled_result = counting
+    try:
+        first = lowering.lower(f, x, platform="cpu", compile="cpu")
+        again = lowering.lower(f, x, platform="cpu", compile="cpu")
+        other = lowering.lower(g, x, platform="cpu", compile="cpu")
+        dumped = lowering.lower(f, x, platform="cpu", compile="cpu", dump_dir=tmp_path)
+    finally:
+        lowering._compiled_result = real
+    assert len(calls) == 3
+    assert again.compiled_text == first.compiled_text and dict(again.memory or {}) == dict(first.memory or {})
+    assert "cosine" in (other.compiled_text or "") and "cosine" not in (first.compiled_text or "")
+    assert dumped.compiled_text is not None and any(tmp_path.iterdir())

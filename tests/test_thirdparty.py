@@ -352,8 +352,7 @@ WHISPER_PLAN_MISS = ("-3.7% (160.2 MB vs libtpu's 166.3 MB): Whisper's encoder f
 @pytest.mark.parametrize(("step", "share"), [
     ("hf_bert", "90%"),
     ("hf_bert", "84%"),
-    *(pytest.param("hf_whisper", share, marks=pytest.mark.xfail(strict=True, reason=WHISPER_PLAN_MISS))
-      for share in ("90%", "92%")),
+    pytest.param("hf_whisper", "90%", marks=pytest.mark.xfail(strict=True, reason=WHISPER_PLAN_MISS)),
 ])
 def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path) -> None:
     """transformers' Flax BERT (``gradient_checkpointing=True``: ``nn.remat`` per layer) at size
@@ -367,7 +366,8 @@ def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path
     offloaded outside a loop straight back, so the pipeline drops offloads; JAX emits none, as
     planned. Whisper (``gradient_checkpointing=True``, 2 + 2 layers of 256, 512 mel frames, 128
     tokens, batch 2): all-on-device 190,735,872 B. At 90% both plans are ``dots_saveable``'s rules
-    (``pipeline._fewer_flops_builtin``), and at 92% Whisper's too. Each plan and compile takes 10-35 s on 2 cores;
+    (``pipeline._fewer_flops_builtin``), and at 92% Whisper's too (the same plan: not compiled
+    again here). Each plan and compile takes 10-35 s on 2 cores;
     ``python bench/thirdparty_plans.py --steps hf_bert,hf_whisper --size mid`` prints the figures
     side by side (libtpu 0.0.42.1, jax 0.10.2).
 
@@ -379,8 +379,7 @@ def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize(("step", "size", "share"), [("hf_bert", "mid", "90%"), ("hf_whisper", "mid", "90%"),
-                                                    ("levanter_llama", "small", "85%")])
+@pytest.mark.parametrize(("step", "size", "share"), [("hf_bert", "mid", "90%"), ("levanter_llama", "small", "85%")])
 def test_no_builtin_policy_that_fits_needs_fewer_flops_than_the_plan(step: str, size: str, share: str,
                                                                       tmp_path) -> None:
     """The plan of :func:`test_hf_plan_applied_as_written_and_compiled` (shared), and every JAX
@@ -390,7 +389,10 @@ def test_no_builtin_policy_that_fits_needs_fewer_flops_than_the_plan(step: str, 
     GFLOP vs 8.244, Whisper 13.021 vs 12.711, libtpu 0.0.42.1): the plan now takes a built-in's
     rules where the memory model puts them within the budget with fewer FLOPs
     (``pipeline._fewer_flops_builtin``). Levanter's Llama at 85% offloads its scan carries and
-    needs 195.209 GFLOP, the cheapest built-in that fits (``dots_saveable``) 195.560."""
+    needs 195.209 GFLOP, the cheapest built-in that fits (``dots_saveable``) 195.560. Whisper's
+    plan at 90% is ``dots_saveable``'s rules: its side-by-side comparison (3.6 min here) is left to
+    ``python bench/thirdparty_plans.py --steps hf_whisper --size mid --budgets 90%``, to keep CI
+    within 45 minutes."""
     from hloopt.anchors import ANCHORS, policy_object
 
     plan, real = plan_apply_compile(step, size, share, tmp_path)
