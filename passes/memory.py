@@ -267,18 +267,16 @@ class PeakMemory(Analysis[MemoryProfile]):
                                if b.memory_space == ON_CHIP_MEMORY_SPACE] + [r[1:] for r in per_value])
             host_peak = _peak([(start[b.id], end[b.id], sizes[b.id]) for b in temp
                                if b.memory_space == HOST_MEMORY_SPACE])
-            if host_peak > max(device_peak, chip_peak):
-                # the host temporaries' heap (a scan's stack offloaded inside the loop) is the
-                # one libtpu reports when it peaks highest of the three
-                spaces = (0, HOST_MEMORY_SPACE)
+            # libtpu reports the heap that peaks highest; the host one where a scan's stack
+            # offloaded inside the loop outgrows the other two
+            heap = max((device_peak, 0), (chip_peak, ON_CHIP_MEMORY_SPACE), (host_peak, HOST_MEMORY_SPACE),
+                       key=lambda p: p[0])[1]
+            if heap != 0:
+                spaces = (0, heap)
                 for b in temp:
                     if b.memory_space == 0:
                         start[b.id] = -1
-            elif chip_peak > device_peak:
-                spaces = (0, ON_CHIP_MEMORY_SPACE)
-                for b in temp:
-                    if b.memory_space == 0:
-                        start[b.id] = -1
+            if heap == ON_CHIP_MEMORY_SPACE:
                 corrections = per_value
                 for _, first, last, n in corrections:
                     diff[first] += n

@@ -249,7 +249,7 @@ def test_a_deviceless_tpu_compile_prints_no_libtpu_start_up_complaints(tmp_path:
         assert noise not in proc.stderr
 
 
-def test_the_same_module_compiled_twice_is_compiled_once(tmp_path: Path) -> None:
+def test_the_same_module_compiled_twice_is_compiled_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The second compile of a module already compiled in this process (the same function: the
     key holds its source locations, which the compiled text's metadata carries) is served from
     memory with the same compiled text and figures; another module, and a compile that writes
@@ -269,14 +269,11 @@ def test_the_same_module_compiled_twice_is_compiled_once(tmp_path: Path) -> None
         calls.append(1)
         return real(*a, **k)
 
-    lowering._compiled_result = counting
-    try:
-        first = lowering.lower(f, x, platform="cpu", compile="cpu")
-        again = lowering.lower(f, x, platform="cpu", compile="cpu")
-        other = lowering.lower(g, x, platform="cpu", compile="cpu")
-        dumped = lowering.lower(f, x, platform="cpu", compile="cpu", dump_dir=tmp_path)
-    finally:
-        lowering._compiled_result = real
+    monkeypatch.setattr(lowering, "_compiled_result", counting)
+    first = lowering.lower(f, x, platform="cpu", compile="cpu")
+    again = lowering.lower(f, x, platform="cpu", compile="cpu")
+    other = lowering.lower(g, x, platform="cpu", compile="cpu")
+    dumped = lowering.lower(f, x, platform="cpu", compile="cpu", dump_dir=tmp_path)
     assert len(calls) == 3
     assert again.compiled_text == first.compiled_text and dict(again.memory or {}) == dict(first.memory or {})
     assert "cosine" in (other.compiled_text or "") and "cosine" not in (first.compiled_text or "")
