@@ -6,6 +6,8 @@ sharded programs, the CPU platform so that no test process holds libtpu's machin
 merely importing jax), whatever order pytest collects the test files in.
 """
 
+import os
+
 import pytest
 
 import hloopt.lowering  # noqa: F401  (sets XLA_FLAGS / JAX_PLATFORMS before jax starts)
@@ -23,3 +25,40 @@ def _recorded_libtpu_rules(request: pytest.FixtureRequest, monkeypatch: pytest.M
     compile here, with the installed libtpu, and follow its rules."""
     if request.node.get_closest_marker("tpu") is None:
         monkeypatch.setenv("HLOOPT_LIBTPU", RECORDED_LIBTPU)
+
+
+# -- the full tier ----------------------------------------------------------------------------------
+# Tests marked ``full`` are side-by-side compiles beyond the sample CI runs: the other sizes, budget
+# shares, presets and steps of a comparison whose every code path a CI-run case already takes (each
+# such test says which). On 2 cores they add about an hour, which would put CI past its 45 minutes,
+# so they run only when asked: ``pytest --full`` (or ``HLOOPT_FULL_TESTS=1``). They are deselected,
+# not skipped, and the run's summary says how many were left out.
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the tests marked `full` (side-by-side libtpu compiles beyond CI's sample)")
+
+
+def _full(config: pytest.Config) -> bool:
+    return bool(config.getoption("--full") or os.environ.get("HLOOPT_FULL_TESTS"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _full(config):
+        return
+    left_out = [item for item in items if item.get_closest_marker("full") is not None]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item.get_closest_marker("full") is None]
+    config.stash[_LEFT_OUT] = len(left_out)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"{left_out} tests of the full tier (marked `full`: side-by-side compiles beyond CI's sample) "
+            "were deselected; `pytest --full` runs them")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from hloopt.problem import Action, Decisions
+from tests.tiers import ci_sample
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +62,8 @@ def _check_never_dominated(problem) -> int:
     return len(budgets)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(("model", "device"), ci_sample(
+    [(m, d) for m in MODELS for d in DEVICES], [("gpt2", "tpu-v5e"), ("llama", "tpu-v5e"), ("mlp", "h100-sxm")]))
 def test_tiny_plan_never_dominated(model, device):
     problem = _problem(model, "tiny", device)
     assert _check_never_dominated(problem) >= 1

@@ -41,11 +41,11 @@ SHAPE = {"size": "tiny", "batch": 16, "seq": 256, "n_layers": 8}
 
 
 @functools.lru_cache(maxsize=None)
-def offloaded(abstract: bool = True) -> hloopt.auto.Offloaded:  # type: ignore[name-defined]
-    first = hloopt.auto_offload(LLAMA, device=FAST_LINK, budget="100%", abstract=abstract, **SHAPE)
+def offloaded() -> hloopt.auto.Offloaded:  # type: ignore[name-defined]
+    first = hloopt.auto_offload(LLAMA, device=FAST_LINK, budget="100%", **SHAPE)
     floor, peak = first.plan.bounds.least_peak_bytes, first.plan.predicted.baseline_peak_bytes
     assert floor < peak
-    return hloopt.auto_offload(LLAMA, device=FAST_LINK, budget=(floor + peak) // 2, abstract=abstract, **SHAPE)
+    return hloopt.auto_offload(LLAMA, device=FAST_LINK, budget=(floor + peak) // 2, **SHAPE)
 
 
 def test_returned_step_lowers_to_exactly_the_planned_offloads() -> None:
@@ -64,7 +64,12 @@ def test_returned_step_lowers_to_exactly_the_planned_offloads() -> None:
 
 
 def test_offloaded_step_computes_what_the_original_computes_on_cpu() -> None:
-    step, args, plan = offloaded(abstract=False)
+    # planned once more with concrete arrays at the budget the abstract plan was given: the same
+    # program, the same decisions (and one plan, not the two that find the budget)
+    planned = offloaded().plan
+    step, args, plan = hloopt.auto_offload(LLAMA, device=FAST_LINK, budget=planned.budget.bytes, abstract=False,
+                                           **SHAPE)
+    assert {d.key: d.action for d in plan.decisions} == {d.key: d.action for d in planned.decisions}
     assert plan.of("offload")
     plain = resolve(LLAMA, factory_kwargs={"abstract": False, **SHAPE})
     new_params, _, loss = jax.jit(step)(*args)

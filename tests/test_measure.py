@@ -119,6 +119,7 @@ def test_builtin_policies_run_and_rank(mlp_measured) -> None:  # type: ignore[no
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_policy_reaches_the_step_saving_nothing_needs_fewer_temporaries() -> None:
     """Llama (scanned layers): XLA's own temporaries for the step with nothing saved are below those
     with everything saved, and each row's figure is what compiling that policy's step says."""

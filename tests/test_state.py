@@ -22,6 +22,7 @@ from fixtures.zoo import mlp
 from hloopt.errors import UserError
 from hloopt.lowering import has_libtpu
 from hloopt.state import apply_state_plan, compile_placed, state_groups, tpu_array_bytes
+from tests.tiers import ci_sample
 
 OPT_HOST = {"opt_state[0].mu": "host", "opt_state[0].nu": "host"}
 
@@ -133,7 +134,7 @@ def _host_bytes(step: object, args: tuple[object, ...], placement: dict[str, str
 @pytest.mark.slow
 @pytest.mark.tpu
 @needs_libtpu
-@pytest.mark.parametrize("size", ["tiny", "small"])
+@pytest.mark.parametrize("size", ci_sample(["tiny", "small"], ["tiny"]))
 def test_tpu_host_bytes_are_the_placed_groups(size: str) -> None:
     step, args = mlp.make(size)
     nbytes, tpu_bytes = _host_bytes(step, args, OPT_HOST)

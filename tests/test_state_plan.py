@@ -26,6 +26,7 @@ from hloopt.plan import Plan
 from hloopt.problem import Action, Decisions
 from hloopt.simulator import simulate
 from hloopt.targets import resolve
+from tests.tiers import ci_sample
 
 TARGET = "fixtures/state/wide_adamw.py:make"
 SMALL = {"d": 256, "n_layers": 2, "batch": 8}
@@ -275,7 +276,7 @@ def test_third_party_optimizer_state_is_found_as_one_candidate(step: str) -> Non
 @pytest.mark.tpu
 @pytest.mark.skipif(not __import__("hloopt.lowering", fromlist=["has_libtpu"]).has_libtpu(),
                     reason="libtpu not installed")
-@pytest.mark.parametrize("step", ["hf_gpt2", "levanter_llama"])
+@pytest.mark.parametrize("step", ci_sample(["hf_gpt2", "levanter_llama"], ["hf_gpt2"]))
 def test_third_party_optimizer_state_placed_on_the_host_is_what_libtpu_puts_there(step: str) -> None:
     """The placement part on TPU (where the planner keeps the state on device): the optimizer's
     groups placed in host memory on the unmodified step, compiled by libtpu 0.0.42 deviceless:
@@ -295,7 +296,7 @@ def test_third_party_optimizer_state_placed_on_the_host_is_what_libtpu_puts_ther
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", ["hf_gpt2", "levanter_llama"])
+@pytest.mark.parametrize("step", ci_sample(["hf_gpt2", "levanter_llama"], ["levanter_llama"]))
 def test_third_party_step_with_its_optimizer_state_on_the_host_computes_the_same_numbers(step: str) -> None:
     """CPU backend: the unmodified third-party step, its optimizer state placed in host memory,
     gives the same numbers as the step as written."""

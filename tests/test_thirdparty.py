@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 import hloopt.lowering as lowering
 from hloopt.cli import cli
+from tests.tiers import ci_sample
 
 #: step -> the PyPI library its model comes from (what importorskip imports)
 LIBRARY: dict[str, str] = {
@@ -259,12 +260,13 @@ def check_prediction(step: str, size: str, errors: dict[str, float], misses: dic
     assert abs(err) <= bound, f"{step}: predicted {predicted:,} vs libtpu {real:,} ({err:+.1%})"
 
 
-@pytest.mark.parametrize("step", _prediction_params(TINY_ERROR, TINY_MISSES))
+@pytest.mark.parametrize("step", ci_sample(_prediction_params(TINY_ERROR, TINY_MISSES),
+                                           ["hf_bert", "hf_gpt2", "levanter_llama"]))
 def test_prediction_vs_libtpu(step: str) -> None:
     check_prediction(step, "tiny", TINY_ERROR, TINY_MISSES)
 
 
-@pytest.mark.parametrize("step", _prediction_params(SMALL_ERROR, SMALL_MISSES))
+@pytest.mark.parametrize("step", ci_sample(_prediction_params(SMALL_ERROR, SMALL_MISSES), ["levanter_llama"]))
 def test_prediction_vs_libtpu_at_size_small(step: str) -> None:
     """At size small (layers of 512, batch 8 x 512), where the steps outgrow libtpu's VMEM heap."""
     check_prediction(step, "small", SMALL_ERROR, SMALL_MISSES)
@@ -327,7 +329,7 @@ def check_plan_compiled(step: str, size: str, share: str, tmp_path: Any, *, tole
 
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize(("share", "offloads"), [("85%", True), ("60%", False)])
+@pytest.mark.parametrize(("share", "offloads"), ci_sample([("85%", True), ("60%", False)], [("85%", True)]))
 def test_levanter_llama_plan_applied_as_written_and_compiled(share: str, offloads: bool, tmp_path) -> None:
     """Levanter's Llama (haliax scan over 8 layers, batch 8 x 512) planned at a budget, the plan
     applied to the unmodified step with ``hloopt.use_plan``, the step compiled by libtpu: the
@@ -349,11 +351,11 @@ WHISPER_PLAN_MISS = ("-3.7% (160.2 MB vs libtpu's 166.3 MB): Whisper's encoder f
 
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize(("step", "share"), [
+@pytest.mark.parametrize(("step", "share"), ci_sample([
     ("hf_bert", "90%"),
     ("hf_bert", "84%"),
     pytest.param("hf_whisper", "90%", marks=pytest.mark.xfail(strict=True, reason=WHISPER_PLAN_MISS)),
-])
+], [("hf_bert", "90%")]))
 def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path) -> None:
     """transformers' Flax BERT (``gradient_checkpointing=True``: ``nn.remat`` per layer) at size
     mid (2 x 256, batch 2 x 256) planned at a budget, applied with ``hloopt.use_plan`` and
@@ -379,7 +381,8 @@ def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize(("step", "size", "share"), [("hf_bert", "mid", "90%"), ("levanter_llama", "small", "85%")])
+@pytest.mark.parametrize(("step", "size", "share"), ci_sample([("hf_bert", "mid", "90%"), ("levanter_llama", "small", "85%")],
+                                                        [("hf_bert", "mid", "90%")]))
 def test_no_builtin_policy_that_fits_needs_fewer_flops_than_the_plan(step: str, size: str, share: str,
                                                                       tmp_path) -> None:
     """The plan of :func:`test_hf_plan_applied_as_written_and_compiled` (shared), and every JAX
@@ -418,7 +421,7 @@ def test_no_builtin_policy_that_fits_needs_fewer_flops_than_the_plan(step: str, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("step", ["hf_gpt2", "hf_resnet"])
+@pytest.mark.parametrize("step", ci_sample(["hf_gpt2", "hf_resnet"], ["hf_gpt2"]))
 def test_hf_steps_without_checkpoint_cannot_be_planned(step: str) -> None:
     """transformers' Flax GPT-2 and ResNet trace no ``jax.checkpoint``: every residual is saved
     outside any policy, the least peak is the all-on-device peak, and a plan at 90% of it is
@@ -435,6 +438,7 @@ def test_hf_steps_without_checkpoint_cannot_be_planned(step: str) -> None:
         pipeline.plan(target, profile=load_profile("tpu-v5e"), budget="90%")
 
 
+@pytest.mark.slow
 def test_a_dropped_offload_says_why() -> None:
     """The README's BERT plan (size small, 85%): the offloads libtpu would copy straight back
     (values offloaded outside a loop) are dropped when the step lowered with them does not fit,

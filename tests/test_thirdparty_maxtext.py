@@ -151,14 +151,31 @@ PRESETS = ("full", "minimal", "save_dot_except_mlp", "save_dot_except_mlpwi", "s
            "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded")
 
 
+#: the presets CI compiles beside the plan: the one that recomputes least among those that fit the
+#: budget with nothing on the host (save_dot_except_mlp, 680 MiB with libtpu 0.0.50) and the next
+#: that saves more (minimal, 852 MiB: over it). The full tier compiles all of PRESETS.
+CI_PRESETS = ("save_dot_except_mlp", "minimal")
+
+
 @pytest.mark.slow
 @pytest.mark.tpu
 def test_planned_keys_fit_the_budget_with_no_more_flops_than_the_cheapest_preset_that_fits() -> None:
+    _planned_keys_against(CI_PRESETS)
+
+
+@pytest.mark.slow
+@pytest.mark.tpu
+@pytest.mark.full
+def test_planned_keys_against_every_preset() -> None:
+    _planned_keys_against(PRESETS)
+
+
+def _planned_keys_against(presets_compiled: tuple[str, ...]) -> None:
     """``hloopt plan`` on MaxText's own step (size mini: 4 scanned layers, 8 x 1024 tokens,
     activation-dominated), its MaxText keys applied to MaxText's config, the step compiled by
-    libtpu: its peak is within the budget, and no MaxText preset that fits the budget needs fewer
-    FLOPs (``cost_analysis``) without moving more bytes to host memory (``host_temp_size``).
-    Every figure is libtpu's, compiled in this run. The budget, 800 MiB,
+    libtpu: its peak is within the budget, and no MaxText preset compiled beside it that fits the
+    budget needs fewer FLOPs (``cost_analysis``) without moving more bytes to host memory
+    (``host_temp_size``). Every figure is libtpu's, compiled in this run. The budget, 800 MiB,
     lies between the presets' peaks (libtpu 0.0.50: full 577 MiB, save_dot_except_mlp 680 MiB,
     minimal 852 MiB)."""
     import time
@@ -193,7 +210,7 @@ def test_planned_keys_fit_the_budget_with_no_more_flops_than_the_cheapest_preset
 
     fragment = yaml.safe_load(emit.maxtext_yaml(plan, strict=False))
     peak, flops, host, compile_s = compiled(**fragment)
-    presets = {p: compiled(remat_policy=p) for p in PRESETS}
+    presets = {p: compiled(remat_policy=p) for p in presets_compiled}
     moved = {k: v for k, v in fragment.items() if v != "remat" and k != "remat_policy"}
     rows = [f"plan {moved}: {peak} B, {flops:.4g} FLOP, {host} B on host "
             f"(planning {planning_s:.0f} s, one compile {compile_s:.0f} s)"]

@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.tiers import ci_sample
+
 pytestmark = [pytest.mark.slow, pytest.mark.tpu]
 
 
@@ -328,11 +330,15 @@ def _lower_once(name: str, compile: str | None):  # type: ignore[no-untyped-def]
     return lowering.lower(step, *args, platform="tpu", compile=compile, **kwargs)
 
 
-@pytest.mark.parametrize("name", [
+#: the programs CI compiles (each compile serves both libtpu tests); the full tier compiles all
+CI_PROGRAMS = ["nnx_scan", "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp", "flash_attention"]
+
+
+@pytest.mark.parametrize("name", ci_sample([
     pytest.param("linen_named_bf16", marks=pytest.mark.xfail(strict=True, reason=LINEN_VMEM)),
     "nnx_scan", "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp",
     pytest.param("flash_attention", marks=pytest.mark.xfail(strict=True, reason=FLASH_VMEM)),
-    pytest.param("mlp_adamw", marks=pytest.mark.xfail(strict=True, reason=MLP_ADAMW))])
+    pytest.param("mlp_adamw", marks=pytest.mark.xfail(strict=True, reason=MLP_ADAMW))], CI_PROGRAMS))
 def test_a_users_step_is_predicted_within_5_percent_of_libtpu(name: str) -> None:
     """Measured: NNX +2.1%, Equinox +0.7%, sharded -1.0% (per device, 4 chips), shard_map -0.00%,
     linen +5.8%, flash attention -6.0%, MLP with AdamW +6.6%. Where the peak rests on what the
@@ -358,8 +364,9 @@ def test_where_a_miss_rests_on_vmem_analyze_says_so(name: str, note: str) -> Non
     assert any(n.startswith(note) for n in notes), notes
 
 
-@pytest.mark.parametrize("name", [
-    "linen_named_bf16", "nnx_scan", "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp", "flash_attention", "mlp_adamw"])
+@pytest.mark.parametrize("name", ci_sample([
+    "linen_named_bf16", "nnx_scan", "equinox_checkpoint", "sharded_mesh", "shard_map_fsdp", "flash_attention", "mlp_adamw"],
+    CI_PROGRAMS))
 def test_a_users_compiled_step_reads_as_libtpu_reports_it(name: str) -> None:
     """hloopt's figure for libtpu's own compiled module vs its ``memory_analysis()``: exact to
     1 KiB for linen, NNX, Equinox and the sharded step (NNX's VMEM heap counts its scan's
