@@ -63,6 +63,7 @@ def test_returned_step_lowers_to_exactly_the_planned_offloads() -> None:
     assert found == want
 
 
+@pytest.mark.full
 def test_offloaded_step_computes_what_the_original_computes_on_cpu() -> None:
     # planned once more with concrete arrays at the budget the abstract plan was given: the same
     # program, the same decisions (and one plan, not the two that find the budget)

@@ -111,6 +111,7 @@ JAX_COMMANDS = [
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_jax_target_is_byte_identical_in_another_checkout_and_hash_seed(tmp_path: Path) -> None:
     """llama tiny lowered by jax: in the repository with one hash seed, and in a copy of the
     fixtures elsewhere with another; the outputs hold no absolute path of either."""

@@ -176,6 +176,7 @@ def test_cli_rejects_an_hlo_target_in_one_line() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_plan_row_carries_the_plans_prediction_and_runs_its_policy(tmp_path: Path) -> None:
     """A plan from `hloopt plan` is measured with its own policy and device; its predicted numbers are
     the plan file's, and the anchors over the plan's budget are left out."""

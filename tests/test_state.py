@@ -209,6 +209,7 @@ def test_tpu_host_update_keeps_optimizer_state_on_host() -> None:
     "1514413056 -> 2011593216; wide AdamW (fixtures/state/wide_adamw.py) mu+nu on the host: "
     "520098816 -> 554177536 (donated: 338694656 -> 352850432); its update on the host (on_host): "
     "-> 738761216 (the host call's outputs land in device memory and are relaid out)"))
+@pytest.mark.full
 def test_tpu_peak_drops_by_the_host_bytes() -> None:
     step, args = mlp.make("small")
     _, tpu_bytes = _host_bytes(step, args, OPT_HOST)

@@ -129,6 +129,7 @@ def test_maxtexts_step_names_are_keys_hloopt_emits_and_it_lowers() -> None:
 
 @pytest.mark.slow
 @pytest.mark.tpu
+@pytest.mark.full
 def test_compiled_presets_order_as_their_policies_say() -> None:
     """libtpu compiles MaxText's tiny step with each preset; offloading the projections
     (minimal_offloaded) moves bytes to host where the others move none. (At size tiny the peaks do

@@ -898,7 +898,7 @@ SAVED_MISSES: dict[str, float] = {}
 @pytest.mark.tpu
 @pytest.mark.parametrize("model", ci_sample([pytest.param(m, marks=pytest.mark.xfail(
     strict=True, reason=f"measured {SAVED_MISSES[m]:+.1%}")) if m in SAVED_MISSES else m
-    for m in ("llama", "gpt2", "mlp", "sharded", "convnet")], ["llama", "gpt2", "mlp", "sharded"]))
+    for m in ("llama", "gpt2", "mlp", "sharded", "convnet")], ["llama", "mlp", "sharded"]))
 def test_small_steps_with_everything_saved_within_3_percent(model: str) -> None:
     """The every-residual-saved step ``hloopt plan`` lowers, compiled here. Measured: llama -2.75%
     (+12.7% while its scan stacks that the backward loop reads only through matmuls were counted
