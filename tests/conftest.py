@@ -29,8 +29,8 @@ def _recorded_libtpu_rules(request: pytest.FixtureRequest, monkeypatch: pytest.M
 
 # -- the full tier ----------------------------------------------------------------------------------
 # Tests marked ``full`` are side-by-side compiles beyond the sample CI runs: the other sizes, budget
-# shares, presets and steps of a comparison whose every code path a CI-run case already takes (each
-# such test says which). On 2 cores they add about an hour, which would put CI past its 45 minutes,
+# shares, presets and steps of a comparison whose code paths a CI-run case takes
+# (tests/tiers.py), and the slowest end-to-end checks. On 2 cores they add about an hour, which would put CI past its 45 minutes,
 # so they run only when asked: ``pytest --full`` (or ``HLOOPT_FULL_TESTS=1``). They are deselected,
 # not skipped, and the run's summary says how many were left out.
 
@@ -39,21 +39,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the tests marked `full` (side-by-side libtpu compiles beyond CI's sample)")
 
 
-def _full(config: pytest.Config) -> bool:
-    return bool(config.getoption("--full") or os.environ.get("HLOOPT_FULL_TESTS"))
+_LEFT_OUT = pytest.StashKey[int]()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _full(config):
+    if config.getoption("--full") or os.environ.get("HLOOPT_FULL_TESTS"):
         return
-    left_out = [item for item in items if item.get_closest_marker("full") is not None]
+    kept: list[pytest.Item] = []
+    left_out: list[pytest.Item] = []
+    for item in items:
+        (left_out if item.get_closest_marker("full") is not None else kept).append(item)
     if left_out:
         config.hook.pytest_deselected(items=left_out)
-        items[:] = [item for item in items if item.get_closest_marker("full") is None]
+        items[:] = kept
     config.stash[_LEFT_OUT] = len(left_out)
-
-
-_LEFT_OUT = pytest.StashKey[int]()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # type: ignore[no-untyped-def]

@@ -266,7 +266,8 @@ def test_prediction_vs_libtpu(step: str) -> None:
     check_prediction(step, "tiny", TINY_ERROR, TINY_MISSES)
 
 
-@pytest.mark.parametrize("step", ci_sample(_prediction_params(SMALL_ERROR, SMALL_MISSES), []))
+@pytest.mark.full
+@pytest.mark.parametrize("step", _prediction_params(SMALL_ERROR, SMALL_MISSES))
 def test_prediction_vs_libtpu_at_size_small(step: str) -> None:
     """At size small (layers of 512, batch 8 x 512), where the steps outgrow libtpu's VMEM heap."""
     check_prediction(step, "small", SMALL_ERROR, SMALL_MISSES)
@@ -351,11 +352,12 @@ WHISPER_PLAN_MISS = ("-3.7% (160.2 MB vs libtpu's 166.3 MB): Whisper's encoder f
 
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize(("step", "share"), ci_sample([
+@pytest.mark.full
+@pytest.mark.parametrize(("step", "share"), [
     ("hf_bert", "90%"),
     ("hf_bert", "84%"),
     pytest.param("hf_whisper", "90%", marks=pytest.mark.xfail(strict=True, reason=WHISPER_PLAN_MISS)),
-], []))
+])
 def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path) -> None:
     """transformers' Flax BERT (``gradient_checkpointing=True``: ``nn.remat`` per layer) at size
     mid (2 x 256, batch 2 x 256) planned at a budget, applied with ``hloopt.use_plan`` and
@@ -381,8 +383,8 @@ def test_hf_plan_applied_as_written_and_compiled(step: str, share: str, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize(("step", "size", "share"), ci_sample([("hf_bert", "mid", "90%"), ("levanter_llama", "small", "85%")],
-                                                        []))
+@pytest.mark.full
+@pytest.mark.parametrize(("step", "size", "share"), [("hf_bert", "mid", "90%"), ("levanter_llama", "small", "85%")])
 def test_no_builtin_policy_that_fits_needs_fewer_flops_than_the_plan(step: str, size: str, share: str,
                                                                       tmp_path) -> None:
     """The plan of :func:`test_hf_plan_applied_as_written_and_compiled` (shared), and every JAX

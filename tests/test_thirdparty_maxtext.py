@@ -29,6 +29,7 @@ import yaml  # noqa: E402
 
 from hloopt import emit  # noqa: E402
 from tests.test_plan import make_plan, named  # noqa: E402
+from tests.tiers import ci_sample  # noqa: E402
 
 if str(THIRDPARTY) not in sys.path:
     sys.path.insert(0, str(THIRDPARTY))
@@ -160,18 +161,10 @@ CI_PRESETS = ("save_dot_except_mlp", "minimal")
 
 @pytest.mark.slow
 @pytest.mark.tpu
-def test_planned_keys_fit_the_budget_with_no_more_flops_than_the_cheapest_preset_that_fits() -> None:
-    _planned_keys_against(CI_PRESETS)
-
-
-@pytest.mark.slow
-@pytest.mark.tpu
-@pytest.mark.full
-def test_planned_keys_against_every_preset() -> None:
-    _planned_keys_against(PRESETS)
-
-
-def _planned_keys_against(presets_compiled: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("presets_compiled", ci_sample([pytest.param(CI_PRESETS, id="ci-presets"),
+                                                        pytest.param(PRESETS, id="every-preset")], [CI_PRESETS]))
+def test_planned_keys_fit_the_budget_with_no_more_flops_than_the_cheapest_preset_that_fits(
+        presets_compiled: tuple[str, ...]) -> None:
     """``hloopt plan`` on MaxText's own step (size mini: 4 scanned layers, 8 x 1024 tokens,
     activation-dominated), its MaxText keys applied to MaxText's config, the step compiled by
     libtpu: its peak is within the budget, and no MaxText preset compiled beside it that fits the

@@ -20,13 +20,14 @@ def _key(p: Any) -> Any:
 
 
 def ci_sample(params: Iterable[Any], ci: Iterable[Any]) -> list[Any]:
-    """``params`` (values, tuples or ``pytest.param``) with every one whose value is not in ``ci``
-    marked ``full``; a value of ``ci`` not among ``params`` is an error (a renamed case)."""
+    """``params`` (values, ``pytest.param``, or tuples: the values of several argnames) with every
+    one whose value is not in ``ci`` marked ``full``. ``ci`` must name at least one case and only
+    cases of ``params`` (a renamed case is an error); a test with no CI case is marked ``full``."""
     params, ci = list(params), list(ci)
     keys = [_key(p) for p in params]
     missing = [c for c in ci if c not in keys]
-    if missing:
-        raise ValueError(f"CI cases {missing} are not among {keys}")
+    if not ci or missing:
+        raise ValueError(f"CI cases {ci} are not a non-empty subset of {keys}")
     out = []
     for p, k in zip(params, keys):
         if k in ci:
