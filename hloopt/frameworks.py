@@ -25,6 +25,25 @@ FRAMEWORK_PACKAGES: tuple[str, ...] = (
     "flax", "equinox", "haliax", "haiku", "penzai", "optax", "chex", "jaxtyping", "jmp", "orbax", "qwix", "aqt",
 )
 
+#: frameworks whose layer library is model code a user recognizes, with the parts of them that are
+#: plumbing (package-relative paths; a folder ends in "/"). Keras 3 runs a functional model by its
+#: own graph walker, so no line of the user's is on the stack when an op is traced: the layer's
+#: ``call`` (``keras/src/layers/core/dense.py``) is the line to show, not the backend op it calls
+#: (``keras/src/backend/jax/numpy.py``) nor the walker (``keras/src/models/functional.py``).
+FRAMEWORK_PLUMBING: dict[str, tuple[str, ...]] = {
+    "keras": tuple(f"src/{p}" for p in (
+        "backend/", "ops/", "models/", "trainers/", "utils/", "activations/", "optimizers/", "random/", "tree/",
+        "dtype_policies/", "quantizers/", "distribution/", "initializers/", "regularizers/", "constraints/",
+        "legacy/", "export/", "saving/", "callbacks/", "metrics/", "distillation/", "wrappers/", "layers/layer.py",
+        "layers/input_spec.py", "layers/activations/", "api_export.py")),
+}
+
+
+def plumbing_paths() -> tuple[str, ...]:
+    """Package paths (``keras/src/backend/``) of :data:`FRAMEWORK_PLUMBING`."""
+    return tuple(f"{pkg}/{p}" for pkg, parts in FRAMEWORK_PLUMBING.items() for p in parts)
+
+
 #: (package, how to turn checkpointing on), most specific first
 REMAT_SWITCHES: tuple[tuple[str, str], ...] = (
     ("maxtext", "set remat_policy to anything but 'none' in the MaxText config"),
@@ -35,6 +54,7 @@ REMAT_SWITCHES: tuple[tuple[str, str], ...] = (
     ("equinox", "wrap each layer's call in eqx.filter_checkpoint (or jax.checkpoint)"),
     ("flax", "wrap each layer in flax.linen.remat (nn.remat(Block)) or flax.nnx.remat"),
     ("haiku", "wrap each layer's function in hk.remat (hk.remat(block), also under hk.layer_stack)"),
+    ("keras", "build the layers inside keras.RematScope(mode='full') or wrap their calls in keras.remat"),
 )
 GENERIC_SWITCH = "wrap each layer in jax.checkpoint (jax.remat)"
 

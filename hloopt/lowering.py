@@ -355,12 +355,14 @@ def framework_frames_skipped(model_packages: Iterable[str] = ()) -> Iterator[Non
     ``equinox/_jit.py`` then locates ops). So: the framework packages' folders
     (:data:`hloopt.frameworks.FRAMEWORK_PACKAGES`) and hloopt's own are excluded, and the folders
     of ``model_packages`` (installed libraries the step's code uses, e.g. ``transformers``) are
-    included, which JAX ranks above its exclusions."""
+    included, which JAX ranks above its exclusions. A layer library's plumbing
+    (:data:`hloopt.frameworks.FRAMEWORK_PLUMBING`: Keras' backend ops, graph walker, optimizers) is
+    excluded and the rest of it, its layers, included."""
     import importlib.util
 
     from jax._src import source_info_util as siu
 
-    from hloopt.frameworks import FRAMEWORK_PACKAGES
+    from hloopt.frameworks import FRAMEWORK_PACKAGES, FRAMEWORK_PLUMBING
 
     def folders(names: Iterable[str]) -> list[str]:
         out = []
@@ -381,8 +383,13 @@ def framework_frames_skipped(model_packages: Iterable[str] = ()) -> Iterator[Non
     excluded = [os.path.dirname(os.path.abspath(__file__)) + os.sep, *folders(FRAMEWORK_PACKAGES), *sorted(shims),
                 *_console_script()]
     installed = package_folders()
-    included = [part for f in folders(set(model_packages) - set(FRAMEWORK_PACKAGES) - _NOT_MODELS)
-                if f.startswith(installed) for part in _cover(f, shims)]
+    # a layer library (keras): its layers are model code wherever the step imports it from, its
+    # plumbing never is
+    plumbing = {f + part for pkg, parts in FRAMEWORK_PLUMBING.items() for f in folders([pkg]) for part in parts}
+    excluded += sorted(plumbing)
+    included = [part for f in folders(set(model_packages) - set(FRAMEWORK_PACKAGES) - set(FRAMEWORK_PLUMBING)
+                                      - _NOT_MODELS) if f.startswith(installed) for part in _cover(f, shims)]
+    included += [part for f in folders(FRAMEWORK_PLUMBING) for part in _cover(f, shims | plumbing)]
     if not isinstance(excludes, list):
         excluded = []
     if not isinstance(includes, list):
@@ -429,7 +436,10 @@ def jax_shims() -> set[str]:
 
 def _cover(folder: str, holes: set[str]) -> list[str]:
     """Path prefixes that match every file under ``folder`` except the files in ``holes``:
-    ``folder`` itself when no hole lies under it, else its entries, recursively."""
+    ``folder`` itself when no hole lies under it, else its entries, recursively (a hole that is a
+    folder ends in a separator)."""
+    if folder in holes:
+        return []
     if not any(h.startswith(folder) for h in holes):
         return [folder]
     out: list[str] = []

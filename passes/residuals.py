@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hloopt.errors import UserError
-from hloopt.frameworks import FRAMEWORK_PACKAGES
+from hloopt.frameworks import FRAMEWORK_PACKAGES, plumbing_paths
 from hloopt.ir import Computation, Instruction, Module, Shape, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.loops import trip_count
@@ -66,9 +66,9 @@ from hloopt.passes.opcodes import ASYNC_COPIES, BARRIERS, CONTROL_FLOW, VIEWS, i
 #: path fragments of library frames skipped when looking for the user's source line: JAX and the
 #: frameworks models are built with, by package path (``flax/linen/module.py``: lowering writes
 #: installed files so, and :func:`hloopt.ir.package_path` reads a dump's absolute paths so). A
-#: model library's own layers (``transformers/``, ``levanter/``, ``maxtext/``) are not skipped:
-#: they are the lines a user recognizes
-LIBRARY_PATHS: tuple[str, ...] = ("jax/_src/", "jaxlib/", *(f"{p}/" for p in FRAMEWORK_PACKAGES))
+#: model library's own layers (``transformers/``, ``levanter/``, ``maxtext/``, ``keras/src/layers/``)
+#: are not skipped: they are the lines a user recognizes; a layer library's plumbing is
+LIBRARY_PATHS: tuple[str, ...] = ("jax/_src/", "jaxlib/", *(f"{p}/" for p in FRAMEWORK_PACKAGES), *plumbing_paths())
 
 #: ops that only re-view or move a value (looked through to find the producing op)
 _VIEW_OPS = VIEWS | ASYNC_COPIES | BARRIERS | {"copy", "transpose", "convert", "get-tuple-element"}
