@@ -150,13 +150,27 @@ def _normal_shape(shape: str | None) -> str | None:
     return None if shape is None else re.sub(r"\{[^{}]*\}$", "", shape.replace(" ", ""))
 
 
+#: which of two decisions on one (primitive, shape) the policy carries out (see _primitive_rules)
+_RULE_PRECEDENCE = {"offload": 2, "remat": 1, "device": 0}
+
+
 def _primitive_rules(decisions: Iterable[Decision]) -> tuple[tuple[str, str | None, str], ...]:
-    rules = []
+    """One ``(primitive, shape, action)`` rule per primitive and output shape, shape-specific rules
+    before a primitive's catch-all.
+
+    A policy sees a value's primitive and shapes, never its source line. The planner gives every
+    value a policy can select one decision per (primitive, shape) (``candidate_groups``); a value
+    outside any ``jax.checkpoint`` keeps a decision of its own, always "device" (no policy is asked
+    about it), which may share a rule's primitive and shape. Such a "device" must not shadow the
+    rule: where decisions on one (primitive, shape) differ, an offload or a recomputation wins."""
+    rules: dict[tuple[str, str | None], str] = {}
     for d in decisions:
         if d.selector.kind == "primitive" and d.selector.primitive:
-            rules.append((d.selector.primitive, _normal_shape(d.selector.shape), d.action))
+            rule = (d.selector.primitive, _normal_shape(d.selector.shape))
+            if rule not in rules or _RULE_PRECEDENCE.get(d.action, 0) > _RULE_PRECEDENCE.get(rules[rule], 0):
+                rules[rule] = d.action
     # Shape-specific rules before catch-alls of the same primitive, then plan order (stable sort).
-    return tuple(sorted(rules, key=lambda r: (r[0], r[1] is None)))
+    return tuple(sorted(((p, s, a) for (p, s), a in rules.items()), key=lambda r: (r[0], r[1] is None)))
 
 
 def remat3_limits(plan: Plan) -> str | None:

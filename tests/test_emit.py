@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -121,6 +122,26 @@ def test_primitive_rules_match_primitive_and_output_shape() -> None:
         assert kind(snip(DOT_P, *avals, **params)) == want
     assert kind(answer(pol, "query_proj")) == kind(answer(snip, "query_proj")) == "offload"
     hash(pol)  # jax keys caches on the policy
+
+
+def test_a_value_outside_checkpoints_does_not_shadow_a_rule_of_its_primitive_and_shape() -> None:
+    # a plan of a step with a dot outside any jax.checkpoint (kept on device: no policy is asked
+    # about it) and dots of the same output shape inside one, which the plan recomputes: the
+    # policy recomputes f32[2,4] dots whichever decision the plan lists first, once per rule
+    outside = Decision(key="prim:dot_general@loss.py:3", name=None, action="device", bytes=0, layers=1,
+                       selector=Selector.by_primitive("dot_general", source="loss.py:3", shape="f32[2,4]"))
+    inside = Decision(key="prim:dot_general:f32[2,4]@model.py:9", name=None, action="remat", bytes=32, layers=2,
+                      selector=Selector.by_primitive("dot_general", source="model.py:9", shape="f32[2,4]"))
+    dims = (((1,), (0,)), ((), ()))
+    params = dict(dimension_numbers=dims, precision=None, preferred_element_type=None, out_sharding=None)
+    avals = (jax.core.ShapedArray((2, 3), jnp.float32), jax.core.ShapedArray((3, 4), jnp.float32))
+    another = dataclasses.replace(outside, key="prim:dot_general@loss.py:5",
+                                  selector=dataclasses.replace(outside.selector, source="loss.py:5"))
+    for order in ((outside, inside), (inside, outside), (outside, inside, another)):
+        plan = make_plan(order)
+        assert emit._primitive_rules(plan.decisions) == (("dot_general", "f32[2,4]", "remat"),)
+        for pol in (hloopt.policy(plan), run_snippet(emit.python_snippet(plan))):
+            assert kind(pol(DOT_P, *avals, **params)) == "remat"
 
 
 @pytest.mark.slow
