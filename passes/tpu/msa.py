@@ -7,12 +7,14 @@ buffers) :class:`~hloopt.passes.memory.PeakMemory` (``on_chip_heap``) predicts b
 Per step ``t``, with ``mov(t)`` the live temporaries of at most ``capacity_bytes`` each, ``pre(t)``
 the parameters whose prefetched copy is live and ``hbm(t)`` everything else:
 
-    HBM heap(t)   = hbm(t) + mov(t) - packed(t)       (what does not fit spills)
+    HBM heap(t)   = hbm(t) + mov(t) - placed(t)       (what does not fit spills)
     VMEM heap(t)  = min(capacity_bytes, mov(t) + out(t) + pre(t))
     timeline(t)   = fixed + max(HBM heap(t), VMEM heap(t))
 
-with ``packed(t)`` the bytes of the live movable temporaries a largest-first placement of whole
-buffers fits into ``capacity_bytes`` (:func:`packed_bytes`), ``out(t)`` the live temporaries XLA's
+with ``placed(t)`` the bytes of the live movable temporaries VMEM holds for their whole live range,
+placed in the order the schedule defines them, each where it fits beside the earlier ones at every
+step of its range (:func:`placed_timeline`: a value MSA keeps in VMEM only around its accesses keeps
+its HBM buffer between them), ``out(t)`` the live temporaries XLA's
 buffer assigner puts inside output allocations (free in HBM, still S(1) values in VMEM), and a
 parameter's prefetched copy live from the compute step before its first reader to its last reader
 (:func:`prefetch_windows`). A stacked f32 weight the loops read only for default-precision
@@ -28,8 +30,7 @@ of each rule; the accuracy is in ``docs/measurements.md``).
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections import Counter
+from bisect import bisect_left, bisect_right
 from itertools import accumulate
 
 from hloopt.ir import ON_CHIP_MEMORY_SPACE, Instruction
@@ -105,10 +106,6 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
     mov = list(accumulate(mdiff[:-1]))
     on_chip_mov = list(accumulate(cdiff[:-1]))
 
-    # Memory-space assignment places whole buffers: at a step whose movable temporaries exceed
-    # VMEM, what stays in HBM is what a largest-first placement cannot fit.
-    born: list[list[int]] = [[] for _ in range(n + 1)]
-    dies: list[list[int]] = [[] for _ in range(n + 1)]
     # VMEM copies of the pinned values (copies from host land in HBM; MSA prefetches them for
     # their readers), from the compute step before their first reader to their last: VMEM room
     # the movable temporaries cannot take
@@ -128,26 +125,10 @@ def msa_sides(lr: LiveRanges, start: list[int], end: list[int], movable: set[int
         rdiff[s] += sizes[bid]
         rdiff[end[bid] + 1] -= sizes[bid]
     reserved = list(accumulate(rdiff[:-1]))
-    for bid in movable - hbm_pinned:
-        born[start[bid]].append(sizes[bid])
-        dies[end[bid] + 1].append(sizes[bid])
-    for b, nbytes in copies.items():
-        born[first[b]].append(nbytes)
-        dies[last[b] + 1].append(nbytes)
-    live: Counter[int] = Counter()
-    hbm_side = list(hbm_bytes[:n])
-    for t in range(n):
-        for s in dies[t]:
-            live[s] -= 1
-            if not live[s]:
-                del live[s]
-        for s in born[t]:
-            live[s] += 1
-        room = capacity_bytes - reserved[t]
-        if room < 0:
-            room = 0
-        if mov[t] > room:
-            hbm_side[t] += mov[t] - packed_bytes(live, room)
+    items = [(start[bid], end[bid], sizes[bid]) for bid in movable - hbm_pinned]
+    items += [(first[b], last[b], nbytes) for b, nbytes in copies.items()]
+    placed = placed_timeline(items, [max(0, capacity_bytes - r) for r in reserved], mov)
+    hbm_side = [h + m - p for h, m, p in zip(hbm_bytes[:n], mov, placed)]
     vmem_side = [base_bytes + f + min(capacity_bytes, c + p) for f, c, p in zip(fixed, on_chip_mov, prefetched)]
     return hbm_side, vmem_side
 
@@ -344,14 +325,35 @@ def activation_minor_sizes(lr: LiveRanges, movable: set[int]) -> dict[int, int]:
     return out
 
 
-def packed_bytes(live: Counter[int], capacity_bytes: int) -> int:
-    """Bytes of the live buffers (``{size: count}``) that fit ``capacity_bytes`` placed whole,
-    largest first."""
-    free = capacity_bytes
-    for size in sorted(live, reverse=True):
-        if 0 < size <= free:
-            free -= min(live[size], free // size) * size
-    return capacity_bytes - free
+def placed_timeline(items: list[tuple[int, int, int]], room: list[int], mov: list[int]) -> list[int]:
+    """Per step, the bytes of ``items`` (``(first step, last step, bytes)``, the movable
+    temporaries) memory-space assignment holds in VMEM for their whole live range, given the
+    VMEM ``room`` per step and the ``mov`` bytes of the items live at each step.
+
+    A buffer relieves HBM only where VMEM holds it from its definition to its last reader: one
+    MSA keeps in VMEM only around its accesses (prefetched before a read, evicted after its
+    definition) keeps its HBM buffer between them. So items are placed whole, in the order the
+    schedule defines them (an allocator walking the program), each where it fits beside those
+    placed before it at every step of its range: at a step where the live temporaries exceed
+    VMEM, what stays in HBM is not the largest-first packing of that step alone but what earlier
+    placements, alive across it, left no room for. Where everything live fits (``mov <= room``)
+    no placement is refused, so only the steps where it does not are tracked."""
+    import numpy as np
+
+    n = len(room)
+    pressured = [t for t in range(n) if mov[t] > room[t]]
+    diff = [0] * (n + 1)
+    free = np.array([room[t] for t in pressured], dtype=np.int64)
+    for s, e, size in sorted(items, key=lambda it: (it[0], it[1], -it[2])):
+        i, j = bisect_left(pressured, s), bisect_right(pressured, e)
+        if i < j:
+            window = free[i:j]
+            if int(window.min()) < size:
+                continue
+            window -= size
+        diff[s] += size
+        diff[e + 1] -= size
+    return list(accumulate(diff[:-1]))
 
 
 #: steps that move no data through the core (MSA prefetches nothing for them)
@@ -359,4 +361,4 @@ _NO_PREFETCH = CONTROL_FLOW | TUPLE_OPS | BARRIERS | {"parameter", "constant"}
 
 
 __all__ = ["ON_CHIP_MEMORY_SPACE", "activation_minor_sizes", "loop_weight_copies", "msa_sides", "msa_timeline",
-           "packed_bytes", "prefetch_windows"]
+           "placed_timeline", "prefetch_windows"]
