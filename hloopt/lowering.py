@@ -385,11 +385,12 @@ def framework_frames_skipped(model_packages: Iterable[str] = ()) -> Iterator[Non
     installed = package_folders()
     # a layer library (keras): its layers are model code wherever the step imports it from, its
     # plumbing never is
-    plumbing = {f + part for pkg, parts in FRAMEWORK_PLUMBING.items() for f in folders([pkg]) for part in parts}
+    layer_libraries = [(f, parts) for pkg, parts in FRAMEWORK_PLUMBING.items() for f in folders([pkg])]
+    plumbing = {f + part for f, parts in layer_libraries for part in parts}
     excluded += sorted(plumbing)
     included = [part for f in folders(set(model_packages) - set(FRAMEWORK_PACKAGES) - set(FRAMEWORK_PLUMBING)
                                       - _NOT_MODELS) if f.startswith(installed) for part in _cover(f, shims)]
-    included += [part for f in folders(FRAMEWORK_PLUMBING) for part in _cover(f, shims | plumbing)]
+    included += [part for f, _ in layer_libraries for part in _cover(f, shims | plumbing)]
     if not isinstance(excludes, list):
         excluded = []
     if not isinstance(includes, list):
