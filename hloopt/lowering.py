@@ -536,6 +536,11 @@ def _resolve_step(step_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         return target.step_fn, tuple(target.args), dict(target.kwargs), override
     if not callable(step_fn):
         raise TypeError(f"step_fn must be callable or a Target, got {type(step_fn).__name__}")
+    # as a Target's step is: an eqx.filter_jit step's non-array leaves (and leaves jax.jit cannot
+    # trace) held by the step, so that jax.jit traces what the program's own jit would
+    from hloopt.frameworks import jittable
+
+    step_fn, args, kwargs = jittable(step_fn, tuple(args), kwargs)
     return step_fn, args, kwargs, override
 
 

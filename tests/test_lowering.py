@@ -87,6 +87,28 @@ def test_policy_reaches_the_step_through_a_target() -> None:
     assert target.rebuild(policy=None).factory_kwargs == {"scan_layers": False, "policy": None}
 
 
+def test_an_equinox_step_lowers_as_its_own_filter_jit_traces_it() -> None:
+    """``lower(step, model, x)`` with an ``eqx.filter_jit`` step and a model holding functions
+    (``eqx.nn.MLP``'s activations): the non-array leaves stay static, as ``filter_jit`` keeps them.
+    Handed to a plain ``jax.jit`` instead, tracing stops at the first function leaf (what a user
+    calling ``hloopt.lowering.lower`` got). Checked against the step run by Equinox itself: the
+    lowered module returns the gradients it returns, in its order."""
+    eqx = pytest.importorskip("equinox")
+    from hloopt.hlo.parser import parse_module
+
+    mlp = eqx.nn.MLP(8, 8, 16, 2, key=jax.random.PRNGKey(0))
+
+    @eqx.filter_jit
+    def step(model, x):  # type: ignore[no-untyped-def]
+        return eqx.filter_grad(lambda m: m(x).sum())(model)
+
+    x = jnp.ones(8)
+    entry = parse_module(lowering.lower(step, mlp, x, platform="cpu").hlo_text).entry
+    grads = [leaf.shape for leaf in jax.tree.leaves(step(mlp, x))]
+    assert entry.root is not None
+    assert [tuple(s.dims) for s in entry.root.shape.tuple_shapes] == grads
+
+
 def test_hlo_target_cannot_be_lowered() -> None:
     target = resolve(str(ROOT / "fixtures/hlo/zoo/mlp.tpu.hlo"))
     with pytest.raises(UserError, match="a hlo target is HLO already; only jax targets lower"):
