@@ -79,7 +79,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from hloopt.ir import HOST_MEMORY_SPACE, ON_CHIP_MEMORY_SPACE, Instruction, Module, gc_paused
+from hloopt.ir import HOST_MEMORY_SPACE, ON_CHIP_MEMORY_SPACE, Computation, Instruction, Module, gc_paused
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.aliasing import Buffer
 from hloopt.passes.liveness import Liveness, LiveRanges
@@ -500,6 +500,41 @@ _NO_OPERAND_SHARING = frozenset({"copy", "copy-start", "copy-done", "parameter",
                                  "conditional", "call", "tuple", "get-tuple-element", "custom-call"})
 
 
+def post_order_positions(computations: list[Computation]) -> dict[Instruction, int]:
+    """Each instruction's position in the order XLA's buffer assigner sorts equal-sized buffers by.
+
+    ``BufferAssigner::AssignBuffersForComputations`` numbers instructions computation by
+    computation, callers before callees (the entry first), and within a computation in
+    ``MakeInstructionPostOrder``: a depth-first walk from each instruction without users, in
+    instruction order, that emits an instruction after its operands (first operand first) and
+    its control predecessors. The schedule order is not it: an operand-less instruction (an
+    ``AllocateBuffer`` custom call, a constant) comes where its first reader's walk reaches it,
+    wherever the schedule put it.
+    """
+    position: dict[Instruction, int] = {}
+    for comp in computations:
+        for root in comp.instructions:
+            if root.users or root in position:
+                continue
+            stack: list[tuple[Instruction, bool]] = [(root, False)]
+            while stack:
+                inst, expanded = stack.pop()
+                if inst in position:
+                    continue
+                if expanded:
+                    position[inst] = len(position)
+                    continue
+                stack.append((inst, True))
+                # pushed last, walked first: control predecessors, then the operands in order
+                for o in reversed(inst.operands):
+                    if o not in position:
+                        stack.append((o, False))
+                for o in reversed(tuple(inst.control_predecessors)):
+                    if o not in position:
+                        stack.append((o, False))
+    return position
+
+
 def output_allocation_reuse(lr: LiveRanges) -> set[int]:
     """Temporaries XLA's buffer assigner places inside module outputs' allocations.
 
@@ -514,7 +549,21 @@ def output_allocation_reuse(lr: LiveRanges) -> set[int]:
     """
     sizes, start, end = lr.size_bytes, lr.start, lr.end
     order = [b for b in lr.buffers if start[b.id] >= 0 and sizes[b.id] > 0 and b.memory_space == 0]
-    order.sort(key=lambda b: (-sizes[b.id], not b.output_indices, start[b.id], b.id))
+    # XLA's order among equal sizes is its post-order of the module it assigns. Of a compiled
+    # (scheduled) module that is this module's post-order; of a module hloopt predicts from, XLA
+    # assigns a fused and rewritten module whose post-order this one's does not give, and the
+    # schedule hloopt built for it is the nearer stand-in
+    if lr.module.is_scheduled:
+        position = post_order_positions(lr.aliasing.computations)
+        far = len(position)
+
+        def first_position(b: Buffer) -> int:
+            return min((position.get(inst, far) for inst, _ in b.values), default=far)
+    else:
+        def first_position(b: Buffer) -> int:
+            return start[b.id]
+
+    order.sort(key=lambda b: (-sizes[b.id], not b.output_indices, first_position(b), b.id))
     #: allocation index -> (size, [(start, end, buffer id)]); per buffer id, its allocation
     allocs: list[tuple[int, list[tuple[int, int, int]]]] = []
     alloc_of: dict[int, int] = {}
@@ -708,4 +757,5 @@ def _info(module: Module, b: Buffer, size: int, cat: str, start: int, end: int) 
                       start=start, end=end)
 
 
-__all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "PeakMemory", "categorize", "output_allocation_reuse"]
+__all__ = ["BufferInfo", "CATEGORIES", "MemoryProfile", "PeakMemory", "categorize", "output_allocation_reuse",
+           "post_order_positions"]
