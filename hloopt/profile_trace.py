@@ -12,7 +12,11 @@ What we take from it (names as XLA's profilers write them, jax 0.10.2):
 * **op events**: complete events whose ``args`` carry ``hlo_op`` (the instruction name in the
   *compiled* module) and ``hlo_module`` (the module's name). The CPU backend's
   ``ThunkExecutor`` writes one per thunk on the executing thread (and an ``end: <op>`` marker
-  without ``hlo_op``, ignored); GPU/TPU put them on the device's ``XLA Ops`` line.
+  without ``hlo_op``, ignored); the GPU puts them on the device's ``XLA Ops`` line. The TPU
+  (libtpu 0.0.42, read off a v5e) writes neither key: its ``XLA Ops`` events are named by the
+  instruction and carry its text as ``long_name`` (with ``hlo_category``, ``model_flops``,
+  ``bytes_accessed``); their module is the run on the same device's ``XLA Modules`` line that
+  holds them, whose event is named ``<module>(<fingerprint>)``.
 * **module runs**: the CPU backend's ``ThunkExecutor::Execute`` events (outermost only: a loop
   body's executor nests inside), or events on a thread named ``XLA Modules`` (GPU/TPU). One run
   is one execution of a compiled module: the step's wall time on the device, which the op events
@@ -31,6 +35,7 @@ kept, and :func:`leaf_ops` drops the enclosing ones so no time is counted twice.
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import re
@@ -43,6 +48,8 @@ from hloopt.errors import UserError
 
 _MODULE_EVENT = "ThunkExecutor::Execute"
 _MODULE_LINE = "XLA Modules"
+_OPS_LINE = "XLA Ops"
+_FINGERPRINT = re.compile(r"\(\d+\)$")
 _MEMCPY = {"MemcpyH2D": "h2d", "MemcpyD2H": "d2h"}
 _SIZE = re.compile(r"(?:^|\s)(?:size|num_bytes):(\d+)")
 
@@ -73,6 +80,8 @@ class ModuleRun:
     tid: int
     #: True for an ``XLA Modules`` line event (its ops are on other lines of the same process)
     device_line: bool
+    #: the module's name where the event gives it (device lines: ``jit_step`` of ``jit_step(123)``)
+    module: str = ""
 
     @property
     def end_us(self) -> float:
@@ -154,6 +163,8 @@ def read_trace(where: str | Path) -> Trace:
     runs: list[ModuleRun] = []
     transfers: list[Transfer] = []
     steps: list[Step] = []
+    #: TPU op events, their module not yet known: (name, start, duration, pid, tid)
+    unnamed: list[tuple[str, float, float, int, int]] = []
     for e in events:
         if not isinstance(e, dict) or e.get("ph") != "X" or "ts" not in e or "dur" not in e:
             continue
@@ -168,13 +179,40 @@ def read_trace(where: str | Path) -> Trace:
         elif name == _MODULE_EVENT:
             runs.append(ModuleRun(ts, dur, pid, tid, device_line=False))
         elif thread_names.get((pid, tid)) == _MODULE_LINE:
-            runs.append(ModuleRun(ts, dur, pid, tid, device_line=True))
+            runs.append(ModuleRun(ts, dur, pid, tid, device_line=True, module=_FINGERPRINT.sub("", name)))
+        elif "long_name" in args and thread_names.get((pid, tid)) == _OPS_LINE:
+            unnamed.append((name, ts, dur, pid, tid))
         if name in _MEMCPY:
             m = _SIZE.search(str(args.get("memcpy_details", "")))
             if m and dur > 0:
                 transfers.append(Transfer(_MEMCPY[name], int(m.group(1)), dur))
+    if unnamed:
+        ops.extend(_in_module_runs(unnamed, runs))
     return Trace(path, tuple(ops), tuple(_outermost(runs)), tuple(transfers),
                  tuple(sorted(steps, key=lambda s: s.start_us)))
+
+
+def _in_module_runs(unnamed: list[tuple[str, float, float, int, int]], runs: list[ModuleRun]) -> list[OpEvent]:
+    """Op events given the module of the device-line run on their process that holds them (those
+    outside every run are dropped: no module to match them to)."""
+    by_pid: dict[int, list[ModuleRun]] = {}
+    for r in runs:
+        if r.device_line and r.module:
+            by_pid.setdefault(r.pid, []).append(r)
+    starts: dict[int, list[float]] = {}
+    for pid, rs in by_pid.items():
+        rs.sort(key=lambda r: r.start_us)
+        starts[pid] = [r.start_us for r in rs]
+    out: list[OpEvent] = []
+    for name, ts, dur, pid, tid in unnamed:
+        held = by_pid.get(pid)
+        if not held:
+            continue
+        i = bisect.bisect_right(starts[pid], ts) - 1
+        # timestamps are microseconds with sub-nanosecond digits: allow the last one's rounding
+        if i >= 0 and ts + dur <= held[i].end_us + 1e-3:
+            out.append(OpEvent(held[i].module, name, ts, dur, pid, tid))
+    return out
 
 
 def _outermost(runs: list[ModuleRun]) -> list[ModuleRun]:

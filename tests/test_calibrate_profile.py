@@ -202,6 +202,34 @@ def test_leaf_ops_drop_an_enclosing_loop_event() -> None:
     assert sorted(o.op for o in leaf_ops([loop, *body, other_thread])) == ["a", "b", "c"]
 
 
+#: one step of the zoo Llama (small, its default policy) recorded on a TPU v5e (libtpu 0.0.42.1,
+#: jax 0.10.2, bench/results/2026-12-07-tpu-v5e/): the device's own events, the host's step marker
+TPU_TRACE = Path(__file__).resolve().parent.parent / "fixtures" / "traces" / "tpu-v5e-llama-small.trace.json.gz"
+#: the same step compiled here, deviceless, by the same libtpu (fixtures/record_small_tpu.py)
+TPU_COMPILED = Path(__file__).resolve().parent.parent / "fixtures" / "hlo" / "zoo" / "dumps" / "llama.small.tpu-v5e.hlo.gz"
+
+
+def test_a_tpu_trace_names_instructions_of_the_module_libtpu_compiles_here() -> None:
+    """The TPU writes its op events without ``hlo_op``/``hlo_module``: each is named by its
+    instruction, and its module is the ``XLA Modules`` run that holds it. Every op event read
+    names an instruction of the module libtpu compiles for the same step on this machine, and the
+    leaf events fill the run's device time without exceeding it."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.profile_trace import ops_in_run
+
+    trace = read_trace(TPU_TRACE)
+    module = parse_module(gzip.open(TPU_COMPILED, "rt").read())
+    names = {i.name for c in module.computations.values() for i in c.instructions}
+    assert len(trace.runs) == 1 and trace.runs[0].module == module.name == "jit_step"
+    assert len(trace.ops) > 1000 and {o.module for o in trace.ops} == {"jit_step"}
+    assert [o.op for o in trace.ops if o.op not in names] == []
+    run = trace.runs[0]
+    busy = sum(o.dur_us for o in leaf_ops(ops_in_run(trace, run)))
+    assert 0.95 * run.dur_us <= busy <= run.dur_us
+    # the host's StepTraceAnnotation spans the device's run
+    assert len(trace.steps) == 1 and trace.steps[0].dur_us >= run.dur_us
+
+
 def test_link_calibration_keeps_the_previous_figure_and_source() -> None:
     cal = Calibration(device_kind="TPU v5 lite", platform="tpu", d2h=LinkFit(8e-6, 14e9), h2d=LinkFit(12e-6, 13e9),
                       duplex_d2h_bytes_per_s=13e9, duplex_h2d_bytes_per_s=20e9, pinned_host=True,
