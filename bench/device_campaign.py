@@ -1,8 +1,10 @@
-"""Plans measured on a real GPU, before and after calibration, in one run (issue "Step time measured").
+"""Plans measured on a real accelerator (GPU or TPU), before and after calibration, in one run.
 
 For each zoo target at a budget below its all-saved peak (keeping every residual does not fit):
 
-1. ``hloopt plan`` with the built-in device profile (``--device h200`` by default);
+1. ``hloopt plan`` with the built-in device profile (``--device``: ``h200`` on CUDA, ``tpu-v5e`` on
+   TPU by default), in a process kept off the accelerator (``JAX_PLATFORMS=cpu``: planning lowers
+   and never runs, and a TPU is held by one process at a time);
 2. ``hloopt measure --plan``: the plan and every built-in policy predicted within the budget, run
    on the device (median of ``--steps`` after warm-up), ``peak_bytes_in_use`` per policy;
 3. a ``jax.profiler.trace`` of the step as written (without XLA's command buffers), fitted per op
@@ -11,10 +13,13 @@ For each zoo target at a budget below its all-saved peak (keeping every residual
 4. ``hloopt plan`` again with the calibrated profile, and ``hloopt measure`` again.
 
 Each plan and measurement runs in its own process (a device's peak memory reading is
-process-long). Everything lands in ``--out`` (``$OUT`` on the lent machine): ``results.json``
-(versions, device, driver, every measurement), ``log.txt``. Usage on the GPU machine::
+process-long), in ``--out`` as its working directory with the targets named by absolute path, so
+the installed hloopt is the one that runs (``pip install .``; a source folder on ``sys.path`` has
+no ``hloopt.passes``). Everything lands in ``--out`` (``$OUT`` on the lent machine):
+``results.json`` (versions, device, driver or libtpu, every measurement), ``log.txt``. Usage::
 
-    JAX_PLATFORMS=cuda python bench/gpu_campaign.py --targets llama:small,gpt2:small --budget 80%
+    python bench/device_campaign.py --platform cuda --targets llama:small,gpt2:small --budget 80%
+    python bench/device_campaign.py --platform tpu --targets llama:small --budget 80%
 
 ``--dry-run`` runs the same on the CPU backend with tiny sizes (to check the script, not the device).
 The raw results of a run are committed under ``bench/results/``.
@@ -35,12 +40,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def sh(cmd: list[str], log: Any, env: dict[str, str], timeout: float) -> tuple[int, str]:
+def sh(cmd: list[str], log: Any, env: dict[str, str], timeout: float, cwd: Path) -> tuple[int, str]:
     t0 = time.perf_counter()
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
         out, rc = p.stdout + p.stderr, p.returncode
     except subprocess.TimeoutExpired as err:
         out, rc = f"timed out after {timeout:.0f} s: {err}", 124
@@ -49,11 +54,14 @@ def sh(cmd: list[str], log: Any, env: dict[str, str], timeout: float) -> tuple[i
     return rc, out
 
 
-def versions(env: dict[str, str]) -> dict[str, Any]:
-    code = ("import json, jax, jaxlib; d = jax.devices()[0]; print(json.dumps({'jax': jax.__version__, "
-            "'jaxlib': jaxlib.__version__, 'device_kind': d.device_kind, 'platform': d.platform, "
-            "'memory_stats': bool(d.memory_stats())}))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+def versions(env: dict[str, str], cwd: Path) -> dict[str, Any]:
+    code = ("import json, jax, jaxlib, importlib.metadata as m; d = jax.devices()[0]\n"
+            "try: libtpu = m.version('libtpu')\n"
+            "except m.PackageNotFoundError: libtpu = None\n"
+            "print(json.dumps({'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'libtpu': libtpu, "
+            "'device_kind': d.device_kind, 'platform': d.platform, 'devices': jax.device_count(), "
+            "'memory_stats': d.memory_stats()}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=cwd)
     info: dict[str, Any] = {"python": platform.python_version()}
     try:
         info.update(json.loads(p.stdout.strip().splitlines()[-1]))
@@ -73,7 +81,7 @@ def versions(env: dict[str, str]) -> dict[str, Any]:
 CALIBRATE = """
 import json, sys
 from pathlib import Path
-sys.path.insert(0, sys.argv[4])
+sys.path.append(sys.argv[4])
 from accelerator_check import record_and_fit
 print(json.dumps(record_and_fit(sys.argv[1], Path(sys.argv[3]), base=sys.argv[2])))
 """
@@ -83,32 +91,37 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--targets", default="llama:small,gpt2:small", help="zoo model:size, comma-separated")
     ap.add_argument("--budget", default="80%")
-    ap.add_argument("--device", default="h200", help="built-in profile to plan with before calibration")
+    ap.add_argument("--platform", choices=["cuda", "tpu"], default="cuda", help="the accelerator's JAX platform")
+    ap.add_argument("--device", default=None,
+                    help="built-in profile to plan with before calibration (h200 on cuda, tpu-v5e on tpu)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_campaign"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "device_campaign"))
+    ap.add_argument("--timeout", type=float, default=400, help="seconds allowed to each plan and measurement")
     ap.add_argument("--dry-run", action="store_true", help="CPU backend, tiny sizes")
     ap.add_argument("--skip-before", action="store_true", help="only calibrate, plan and measure again")
     a = ap.parse_args()
-    out = Path(a.out)
+    device = a.device or {"cuda": "h200", "tpu": "tpu-v5e"}[a.platform]
+    out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("JAX_PLATFORMS", "cpu" if a.dry_run else "cuda")
+    # the accelerator first (the default backend), the CPU beside it for what hloopt keeps there
+    env["JAX_PLATFORMS"] = "cpu" if a.dry_run else f"{a.platform},cpu"
+    off_device = dict(env, JAX_PLATFORMS="cpu")
     py = [sys.executable, "-m", "hloopt"]
-    results: dict[str, Any] = {"schema": "hloopt.gpu_campaign/1", "budget": a.budget, "device_profile": a.device,
-                               "steps": a.steps, "versions": versions(env), "targets": {}}
+    results: dict[str, Any] = {"schema": "hloopt.device_campaign/1", "budget": a.budget, "device_profile": device,
+                               "steps": a.steps, "versions": versions(env, out), "targets": {}}
     res_path = out / "results.json"
     with open(out / "log.txt", "w") as log:
         for spec in a.targets.split(","):
             model, size = spec.split(":")
             if a.dry_run:
                 size = "tiny"
-            target = f"fixtures/zoo/{model}.py:{size}"
+            target = f"{ROOT / 'fixtures' / 'zoo' / model}.py:{size}"
             r: dict[str, Any] = {}
             results["targets"][target] = r
             work = out / f"{model}-{size}"
             work.mkdir(exist_ok=True)
-            for phase, dev in (("before", ["--device", a.device]),
+            for phase, dev in (("before", ["--device", device]),
                                ("after", ["--device-file", str(work / "calibrated.toml")])):
                 if phase == "before" and a.skip_before:
                     continue
@@ -116,23 +129,25 @@ def main() -> int:
                     # XLA runs a GPU step's ops inside CUDA command buffers by default, and the
                     # profiler then times the buffers, not the ops: the trace is recorded without
                     cal_env = dict(env)
-                    cal_env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-                    rc, text = sh([sys.executable, "-c", CALIBRATE, target, a.device, str(work),
-                                   str(ROOT / "bench")], log, cal_env, 300)
+                    if a.platform == "cuda":
+                        cal_env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+                    rc, text = sh([sys.executable, "-c", CALIBRATE, target, device, str(work),
+                                   str(ROOT / "bench")], log, cal_env, a.timeout, out)
                     r["calibration"] = {"rc": rc}
                     if rc == 0:
-                        r["calibration"].update(json.loads(text.strip().splitlines()[-1]))
+                        # the JSON line it prints; the TPU runtime may log after it
+                        r["calibration"].update(json.loads([ln for ln in text.splitlines() if ln.startswith("{")][-1]))
                         r["calibrated_profile"] = (work / "calibrated.toml").read_text()
                     else:
                         break
                 plan = work / f"plan-{phase}.json"
                 rc, text = sh(py + ["plan", target, *dev, "--budget", a.budget, "--out", str(plan), "-q"],
-                              log, env, 300)
+                              log, off_device, a.timeout, out)
                 r[f"plan_{phase}"] = json.loads(plan.read_text()) if rc == 0 else {"rc": rc, "output": text[-3000:]}
                 if rc != 0:
                     continue
                 rc, text = sh(py + ["measure", target, "--plan", str(plan), *dev, "--steps", str(a.steps),
-                                    "--warmup", "3", "--json", "-q"], log, env, 400)
+                                    "--warmup", "3", "--json", "-q"], log, env, a.timeout, out)
                 try:
                     r[f"measure_{phase}"] = json.loads(text[text.index("{"):text.rindex("}") + 1])
                 except ValueError:
