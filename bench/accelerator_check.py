@@ -29,7 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def record_and_fit(target: str, out: Path, *, base: str | None = None, steps: int = 5) -> dict[str, Any]:
+def record_and_fit(target: str, out: Path, *, base: str | None = None, steps: int = 5,
+                   size: str | None = None) -> dict[str, Any]:
     """Steps 1-4 above for ``target`` on the default device: the trace under ``out/trace``, the
     calibrated profile (fitted efficiencies; the timed link where timing worked) in
     ``out/calibrated.toml``. Returns what was found, JSON-able."""
@@ -51,7 +52,7 @@ def record_and_fit(target: str, out: Path, *, base: str | None = None, steps: in
     from hloopt.targets import resolve
 
     dev = jax.devices()[0]
-    tgt = resolve(target)
+    tgt = resolve(target, size=size)
     args = materialize(tuple(tgt.args))
     f = jax.jit(tgt.step_fn)
     jax.block_until_ready(f(*args))

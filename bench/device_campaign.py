@@ -20,6 +20,9 @@ no ``hloopt.passes``). Everything lands in ``--out`` (``$OUT`` on the lent machi
 
     python bench/device_campaign.py --platform cuda --targets llama:small,gpt2:small --budget 80%
     python bench/device_campaign.py --platform tpu --targets llama:small --budget 80%
+    python bench/device_campaign.py --platform tpu --targets fixtures/thirdparty/levanter_llama.py:make@small
+
+(a third-party step needs its libraries on the device machine: fixtures/thirdparty/requirements.txt).
 
 ``--dry-run`` runs the same on the CPU backend with tiny sizes (to check the script, not the device).
 The raw results of a run are committed under ``bench/results/``.
@@ -83,13 +86,14 @@ import json, sys
 from pathlib import Path
 sys.path.append(sys.argv[4])
 from accelerator_check import record_and_fit
-print(json.dumps(record_and_fit(sys.argv[1], Path(sys.argv[3]), base=sys.argv[2])))
+print(json.dumps(record_and_fit(sys.argv[1], Path(sys.argv[3]), base=sys.argv[2], size=sys.argv[5] or None)))
 """
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--targets", default="llama:small,gpt2:small", help="zoo model:size, comma-separated")
+    ap.add_argument("--targets", default="llama:small,gpt2:small",
+                    help="zoo model:size, or file.py:factory[@size] (relative to the checkout), comma-separated")
     ap.add_argument("--budget", default="80%")
     ap.add_argument("--platform", choices=["cuda", "tpu"], default="cuda", help="the accelerator's JAX platform")
     ap.add_argument("--device", default=None,
@@ -113,10 +117,19 @@ def main() -> int:
     res_path = out / "results.json"
     with open(out / "log.txt", "w") as log:
         for spec in a.targets.split(","):
-            model, size = spec.split(":")
-            if a.dry_run:
-                size = "tiny"
-            target = f"{ROOT / 'fixtures' / 'zoo' / model}.py:{size}"
+            model, size = spec.rsplit(":", 1)
+            size_opt: list[str] = []
+            if model.endswith(".py"):
+                # any TARGET file (a third-party step under fixtures/thirdparty/, the user's own):
+                # relative to the checkout, file.py:factory or file.py:factory@size
+                path = Path(model) if Path(model).is_absolute() else ROOT / model
+                factory, _, factory_size = size.partition("@")
+                size_opt = ["--size", factory_size] if factory_size else []
+                target, model, size = f"{path}:{factory}", path.stem, factory_size or factory
+            else:
+                if a.dry_run:
+                    size = "tiny"
+                target = f"{ROOT / 'fixtures' / 'zoo' / model}.py:{size}"
             r: dict[str, Any] = {}
             results["targets"][target] = r
             work = out / f"{model}-{size}"
@@ -132,7 +145,7 @@ def main() -> int:
                     if a.platform == "cuda":
                         cal_env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
                     rc, text = sh([sys.executable, "-c", CALIBRATE, target, device, str(work),
-                                   str(ROOT / "bench")], log, cal_env, a.timeout, out)
+                                   str(ROOT / "bench"), size_opt[-1] if size_opt else ""], log, cal_env, a.timeout, out)
                     r["calibration"] = {"rc": rc}
                     if rc == 0:
                         # the JSON line it prints; the TPU runtime may log after it
@@ -141,12 +154,12 @@ def main() -> int:
                     else:
                         break
                 plan = work / f"plan-{phase}.json"
-                rc, text = sh(py + ["plan", target, *dev, "--budget", a.budget, "--out", str(plan), "-q"],
+                rc, text = sh(py + ["plan", target, *size_opt, *dev, "--budget", a.budget, "--out", str(plan), "-q"],
                               log, off_device, a.timeout, out)
                 r[f"plan_{phase}"] = json.loads(plan.read_text()) if rc == 0 else {"rc": rc, "output": text[-3000:]}
                 if rc != 0:
                     continue
-                rc, text = sh(py + ["measure", target, "--plan", str(plan), *dev, "--steps", str(a.steps),
+                rc, text = sh(py + ["measure", target, *size_opt, "--plan", str(plan), *dev, "--steps", str(a.steps),
                                     "--warmup", "3", "--json", "-q"], log, env, a.timeout, out)
                 try:
                     r[f"measure_{phase}"] = json.loads(text[text.index("{"):text.rindex("}") + 1])
