@@ -300,7 +300,7 @@ def python_snippet(plan: Plan | str | os.PathLike[str]) -> str:
         lines += [
             "import jax",
             "",
-            "# JAX's own policy: it fits the budget with fewer FLOPs than the rules hloopt searched;",
+            "# JAX's own policy: it fits the budget and beats the rules hloopt searched (see the plan's note);",
             "# the decisions above are what it does to each residual",
             f"policy = jax.checkpoint_policies.{plan.builtin}",
             "",

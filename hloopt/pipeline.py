@@ -839,6 +839,9 @@ class PlanOutcome:
     #: (policy, the memory model's peak of the step lowered with it, its FLOPs as lowered), for
     #: the searched rules and each built-in :func:`_fewer_flops_builtin` compared them with
     lowered_rows: list[tuple[str, int, float]] = field(default_factory=list)
+    #: what ``lowered_rows`` hold: ``"flops"`` (the memory model's peak, FLOPs as lowered) or
+    #: ``"compiled"`` (libtpu's peak, the compiled module's roofline seconds)
+    judge: str = "flops"
     #: the budget the replay searched under, where it differs from the user's: the replay put
     #: the budget below its least peak and the memory model did not (_model_shifted_budget); the
     #: policies in the table are judged against it, as the plan was
@@ -1170,8 +1173,13 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
          max_slowdown: float | None = None, pareto: bool = False, platform: str | None = None,
          compile: str | None = None, solver: str = "auto", time_limit_s: float = 10.0,
          size: str | None = None, progress: Progress = _no_progress, state: bool = False,
-         host_budget: str | None = None, host: str | None = None) -> PlanOutcome:
+         host_budget: str | None = None, host: str | None = None, judge: str = "flops") -> PlanOutcome:
     """Run the whole pipeline on a TARGET (see the module docstring).
+
+    ``judge``: how the searched plan and JAX's built-in policies are compared once each is lowered
+    (:func:`_fewer_flops_builtin`): ``"flops"`` (the memory model's peak, FLOPs as lowered) or
+    ``"compiled"`` (each compiled by libtpu for the profile's TPU: its peak, and the roofline time
+    of the module libtpu compiled).
 
     ``state``: the step's argument groups it updates (parameters, optimizer state) are placed
     with the residuals, in one search, under ``budget`` on the device and ``host_budget`` on the
@@ -1186,6 +1194,10 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     from hloopt.solvers.bounds import below_least_peak
     from hloopt.targets import Target, resolve
 
+    if judge == "compiled":
+        _compile_target_of(profile)  # a profile libtpu cannot compile for is one line before any work
+    elif judge != "flops":
+        raise UserError(f"unknown judge {judge!r}: expected 'flops' or 'compiled'")
     tgt = target if isinstance(target, Target) else resolve(target, size=size)
     as_written = None
     host_budget_bytes = None
@@ -1270,10 +1282,11 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     choice_note = None
     lowered_rows: list[tuple[str, int, float]] = []
     if not hosted and on_the_model:
-        with progress("comparing built-in policies on the memory model (re-lowering with each)"):
+        with progress("comparing built-in policies on the memory model (re-lowering with each)" if judge == "flops"
+                      else "compiling the plan and each built-in policy with libtpu"):
             plan_obj, decisions, result, choice_note, lowered_rows = _fewer_flops_builtin(
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, profile, platform=platform,
-                over=settle_note is not None)
+                over=settle_note is not None, judge=judge)
         if choice_note is not None:
             settle_note = policy_note = None  # the plan is a built-in policy now
     if on_the_model:
@@ -1284,7 +1297,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                        imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
                        time_limit_s=time_limit_s, settle_note=settle_note, policy_note=policy_note,
                        choice_note=choice_note,
-                       lowered_rows=lowered_rows,
+                       lowered_rows=lowered_rows, judge=judge,
                        aim_bytes=aim if aim != budget_bytes else None,
                        target=tgt if compile is None else None, platform=platform)
 
@@ -1461,11 +1474,24 @@ def offloads_beyond_the_plan(plan_obj: Any, planned: Module | str) -> str | None
             "too (hloopt verify names the rule)")
 
 
+def _compile_target_of(profile: DeviceProfile) -> str:
+    """The deviceless compile target (:data:`hloopt.lowering.TPU_TOPOLOGIES`) of a TPU profile,
+    built-in or calibrated from one (``tpu-v5e-calibrated``)."""
+    from hloopt.lowering import TPU_TOPOLOGIES
+
+    if profile.kind == "tpu":
+        for name in sorted(TPU_TOPOLOGIES, key=len, reverse=True):
+            if profile.name == name or profile.name.startswith(name + "-"):
+                return name
+    raise UserError(f"--judge compiled compiles with libtpu for a TPU profile ({', '.join(TPU_TOPOLOGIES)}, or one "
+                    f"calibrated from them); the profile is {profile.name!r}")
+
+
 def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,
                          budget_bytes: int | None, build: Callable[[Problem, Decisions, SimResult], Any],
                          profile: DeviceProfile, *, platform: str | None,
-                         over: bool = False) -> tuple[Any, Decisions, SimResult, str | None,
-                                                      list[tuple[str, int, float]]]:
+                         over: bool = False, judge: str = "flops") -> tuple[Any, Decisions, SimResult, str | None,
+                                                                            list[tuple[str, int, float]]]:
     """The searched plan, or a JAX built-in policy that fits the budget on the memory model with
     fewer FLOPs and moves nothing to host memory (``Plan.builtin``).
 
@@ -1481,7 +1507,16 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     model's peak; FLOPs with loop trip counts, :class:`~hloopt.passes.cost.CostAnalysis`); the
     built-in with the fewest FLOPs among those within the budget replaces the plan where it
     needs fewer than the plan (it moves nothing to host memory, so no transfer of the plan's
-    makes up for them), or where the plan is over the budget on the model."""
+    makes up for them), or where the plan is over the budget on the model.
+
+    With ``judge="compiled"`` each is compiled by libtpu for the profile's TPU instead (deviceless,
+    one compile each): it fits where libtpu's ``peak_memory_in_bytes`` is within the budget, and
+    the one with the least roofline time of the module libtpu compiled is taken (:class:`CostAnalysis`
+    over that module, loop trip counts applied). Measured on a TPU v5e, FLOPs ordered a convnet's
+    policies against their step times (``dots_saveable`` 112 GFLOP ran 3.81 ms, ``nothing_saveable``
+    149 GFLOP 3.56 ms: saving the convolutions' outputs costs more HBM traffic than recomputing them
+    costs compute), and the compiled module's roofline ordered them as measured (5.43 / 4.44 ms),
+    as it did a Llama's three (bench/results/2026-12-07-tpu-v5e/, docs/measurements.md)."""
     import dataclasses as dc
 
     from hloopt.analysis import analyze
@@ -1497,6 +1532,9 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
 
     if budget_bytes is None or plan_obj.state:
         return plan_obj, decisions, result, None, []
+    if judge not in ("flops", "compiled"):
+        raise UserError(f"unknown judge {judge!r}: expected 'flops' or 'compiled'")
+    compile_for = _compile_target_of(profile) if judge == "compiled" else None
 
     def lowered(p: Any, label: str) -> Module:
         return parse_module(lower(tgt, platform=platform or "tpu", policy=policy(p)).hlo_text,
@@ -1506,12 +1544,28 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
         inlined = inline_for_assignment(module)
         return float(CostAnalysis(profile=profile).run(inlined, AnalysisManager(inlined)).totals.flops)
 
-    # the plan's peak is the model's figure _settle_on_the_model computed; only its FLOPs are new
-    planned = lowered(plan_obj, "planned")
-    plan_peak = plan_obj.predicted.model_peak_bytes
-    if plan_peak is None:
-        plan_peak = int(analyze(planned, platform="tpu").peak_bytes)
-    plan_flops = flops(planned)
+    def compiled(p: Any, label: str) -> tuple[int, float]:
+        """libtpu's peak for the step lowered with ``p``, and its compiled module's roofline seconds."""
+        try:
+            low = lower(tgt, platform="tpu", policy=policy(p), compile=compile_for)
+        except UserError:
+            # libtpu refused it (more than the chip's HBM, say): within no budget
+            return 2 ** 62, math.inf
+        assert low.compiled_text is not None and low.memory is not None
+        module = inline_for_assignment(parse_module(low.compiled_text, filename=f"{tgt.name} ({label}, compiled)"))
+        seconds = float(CostAnalysis(profile=profile).run(module, AnalysisManager(module)).totals.seconds)
+        return int(low.memory["peak_memory_in_bytes"]), seconds
+
+    if compile_for is not None:
+        plan_peak, plan_flops = compiled(plan_obj, "planned")
+        over = over or plan_peak > budget_bytes  # as libtpu compiles it
+    else:
+        # the plan's peak is the model's figure _settle_on_the_model computed; only its FLOPs are new
+        planned = lowered(plan_obj, "planned")
+        plan_peak = plan_obj.predicted.model_peak_bytes
+        if plan_peak is None:
+            plan_peak = int(analyze(planned, platform="tpu").peak_bytes)
+        plan_flops = flops(planned)
     rows = [("hloopt's searched rules", plan_peak, plan_flops)]
     best = None
     verb = {"device": "saves", "remat": "recomputes"}
@@ -1525,8 +1579,11 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
             d if Action.REMAT not in problem.candidate(d.key).allowed
             else dc.replace(d, reason=f"{anchor.code} {verb.get(d.action, d.action)} it")
             for d in alt.decisions))
-        module = lowered(alt, anchor.name)
-        peak, alt_flops = int(analyze(module, platform="tpu").peak_bytes), flops(module)
+        if compile_for is not None:
+            peak, alt_flops = compiled(alt, anchor.name)
+        else:
+            module = lowered(alt, anchor.name)
+            peak, alt_flops = int(analyze(module, platform="tpu").peak_bytes), flops(module)
         rows.append((anchor.code, peak, alt_flops))
         if peak <= budget_bytes and (over or alt_flops < plan_flops * (1 - 1e-3)) and \
                 (best is None or alt_flops < best[1]):
@@ -1534,8 +1591,16 @@ def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: D
     if best is None:
         return plan_obj, decisions, result, None, rows
     anchor, alt_flops, peak, alt, acts, res = best
-    alt = dc.replace(alt, predicted=dc.replace(alt.predicted, peak_bytes=peak, model_peak_bytes=peak,
-                                               replay_peak_bytes=res.peak_bytes))
+    # judged compiled, the peak is libtpu's own, not the memory model's
+    alt = dc.replace(alt, predicted=dc.replace(alt.predicted, peak_bytes=peak, replay_peak_bytes=res.peak_bytes,
+                                               model_peak_bytes=peak if compile_for is None else None))
+    if compile_for is not None:
+        from hloopt.units import format_seconds
+
+        note = (f"the plan is {anchor.code}: within the budget as libtpu compiles it for {compile_for}, and "
+                f"{format_seconds(alt_flops)} by the compiled module's roofline, where the rules hloopt searched "
+                f"take {format_seconds(plan_flops)}" + (" and are over the budget" if over else ""))
+        return alt, acts, res, note, rows
     note = (f"the plan is {anchor.code}: within the budget by the memory model with {alt_flops / 1e9:.4g} GFLOP, "
             f"where the rules hloopt searched need {plan_flops / 1e9:.4g}"
             + (" and are over the budget" if over else "") + " (their roofline charges element-wise ops the "

@@ -448,3 +448,10 @@ def test_a_budget_below_the_floor_of_a_step_that_donates_nothing_says_so(tmp_pat
     assert "is below the least peak any policy reaches" in line
     assert "; 512 KiB of the step's outputs have the shape and type of arguments it does not donate" in line
     assert "jax.jit(step, donate_argnums=...)" in line
+
+
+def test_judging_by_libtpu_compiles_needs_a_tpu_profile() -> None:
+    """``--judge compiled`` compiles with libtpu: for a GPU profile that is one line, before any work."""
+    line = one_error_line(["plan", "fixtures/zoo/mlp.py:tiny", "--device", "h200", "--budget", "90%",
+                           "--judge", "compiled"])
+    assert "--judge compiled" in line and "'h200'" in line, line
