@@ -51,9 +51,10 @@ class Calibration:
     platform: str
     d2h: LinkFit
     h2d: LinkFit
-    #: Rates with both directions busy at once, bytes/s.
-    duplex_d2h_bytes_per_s: float
-    duplex_h2d_bytes_per_s: float
+    #: Rates with both directions busy at once, bytes/s; None where not measured (copies inside
+    #: one program: the base profile's duplex ratio is kept)
+    duplex_d2h_bytes_per_s: float | None
+    duplex_h2d_bytes_per_s: float | None
     #: Whether copies used pinned host memory.
     pinned_host: bool
     #: (direction, bytes, median seconds) for every measurement, for reports.
@@ -108,14 +109,13 @@ def measure_link(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
     kinds = {m.kind for m in dev.addressable_memories()} if hasattr(dev, "addressable_memories") else set()
     pinned = "pinned_host" in kinds
     if pinned:
-        samples, duplex = _in_program_samples(dev, sizes_bytes, repeats)
+        samples = _in_program_samples(dev, sizes_bytes, repeats)
         d2h = fit_latency_bandwidth([s[1] for s in samples if s[0] == "d2h"],
                                     [s[2] for s in samples if s[0] == "d2h"])
         h2d = fit_latency_bandwidth([s[1] for s in samples if s[0] == "h2d"],
                                     [s[2] for s in samples if s[0] == "h2d"])
         return Calibration(device_kind=str(dev.device_kind), platform=str(dev.platform), d2h=d2h, h2d=h2d,
-                           duplex_d2h_bytes_per_s=min(duplex, d2h.bytes_per_s),
-                           duplex_h2d_bytes_per_s=min(duplex, h2d.bytes_per_s),
+                           duplex_d2h_bytes_per_s=None, duplex_h2d_bytes_per_s=None,
                            pinned_host=True, samples=tuple(samples))
     dev_sharding = jax.sharding.SingleDeviceSharding(dev)
 
@@ -178,9 +178,9 @@ def measure_link(*, sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES, repeats: i
     )
 
 
-def link_programs(dev: Any) -> tuple[Any, Any, Any, Any]:
-    """The jitted programs :func:`_in_program_samples` times on ``dev``: ``base``, ``h2d``,
-    ``round_trip`` and ``both``."""
+def link_programs(dev: Any) -> tuple[Any, Any, Any]:
+    """The jitted programs :func:`_in_program_samples` times on ``dev``: ``base``, ``h2d`` and
+    ``round_trip``."""
     import jax
 
     host_sh = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
@@ -188,47 +188,40 @@ def link_programs(dev: Any) -> tuple[Any, Any, Any, Any]:
     base = jax.jit(lambda x: x + 1)
     h2d = jax.jit(lambda h: jax.device_put(h, dev_sh) + 1)
     round_trip = jax.jit(lambda x: jax.device_put(jax.device_put(x + 1, host_sh), dev_sh))
-    both = jax.jit(lambda x, h: (jax.device_put(jax.device_put(x + 1, host_sh), dev_sh),
-                                 jax.device_put(h, dev_sh) + 1))
-    return base, h2d, round_trip, both
+    return base, h2d, round_trip
 
 
-def _in_program_samples(dev: Any, sizes_bytes: Sequence[int], repeats: int
-                        ) -> tuple[list[tuple[str, int, float]], float]:
-    """(direction, bytes, seconds) per size, and the rate with both directions busy, from
-    compiled programs that move ``n`` bytes as an offloading step does:
+def _in_program_samples(dev: Any, sizes_bytes: Sequence[int], repeats: int) -> list[tuple[str, int, float]]:
+    """(direction, bytes, seconds) per size, from compiled programs that move ``n`` bytes as an
+    offloading step does:
 
     * ``base(x) = x + 1``;
     * ``h2d(h) = to_device(h) + 1``, ``h`` a ``pinned_host`` argument: H2D = t(h2d) - t(base);
-    * ``round_trip(x) = to_device(to_host(x + 1))``: D2H = t(round_trip) - t(h2d);
-    * ``both(x, h) = (round_trip(x), h2d(h))``: ``3n`` bytes over t(both) - t(base) is the rate
-      with both directions in use (at the largest size).
+    * ``round_trip(x) = to_device(to_host(x + 1))``: D2H = t(round_trip) - t(h2d).
 
-    Each time is the median of ``repeats`` runs after one untimed run (compilation)."""
+    Each time is the median of ``repeats`` runs after one untimed run (compilation). Both
+    directions at once are not measured this way: one program's copies run in the order its
+    data needs them, and two programs do not run at once on a TPU core."""
     import jax
     import jax.numpy as jnp
 
     host_sh = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    base, h2d, round_trip, both = link_programs(dev)
+    base, h2d, round_trip = link_programs(dev)
 
     def timed(f: Callable[..., Any], *a: Any) -> float:
         jax.block_until_ready(f(*a))
         return _median_time(lambda: jax.block_until_ready(f(*a)), repeats)
 
     samples: list[tuple[str, int, float]] = []
-    duplex = 0.0
-    sizes = sorted(int(s) for s in sizes_bytes)
-    for n in sizes:
+    for n in sorted(int(s) for s in sizes_bytes):
         count = max(n // 4, 1)
         x = jnp.full((count,), 1, dtype=jnp.float32, device=dev)
         h = jax.device_put(x, host_sh)
         t_base, t_h2d, t_rt = timed(base, x), timed(h2d, h), timed(round_trip, x)
         samples.append(("h2d", count * 4, max(t_h2d - t_base, 1e-9)))
         samples.append(("d2h", count * 4, max(t_rt - t_h2d, 1e-9)))
-        if n == sizes[-1]:
-            duplex = 3 * count * 4 / max(timed(both, x, h) - t_base, 1e-9)
         del x, h
-    return samples, duplex
+    return samples
 
 
 def calibrated_profile(base: DeviceProfile, cal: Calibration, *, name: str | None = None,
@@ -243,8 +236,11 @@ def calibrated_profile(base: DeviceProfile, cal: Calibration, *, name: str | Non
     p = base.with_overrides(
         d2h_bytes_per_s=cal.d2h.bytes_per_s,
         h2d_bytes_per_s=cal.h2d.bytes_per_s,
-        duplex_d2h_bytes_per_s=min(cal.duplex_d2h_bytes_per_s, cal.d2h.bytes_per_s),
-        duplex_h2d_bytes_per_s=min(cal.duplex_h2d_bytes_per_s, cal.h2d.bytes_per_s),
+        # not measured: with_overrides keeps the base profile's duplex ratio (and says so)
+        duplex_d2h_bytes_per_s=None if cal.duplex_d2h_bytes_per_s is None
+        else min(cal.duplex_d2h_bytes_per_s, cal.d2h.bytes_per_s),
+        duplex_h2d_bytes_per_s=None if cal.duplex_h2d_bytes_per_s is None
+        else min(cal.duplex_h2d_bytes_per_s, cal.h2d.bytes_per_s),
         transfer_latency_s=latency,
         source=note,
     )
@@ -576,7 +572,8 @@ def trace_calibrated_profile(base: DeviceProfile, cal: TraceCalibration, *, name
         sources = dict(p.sources)
         sources["host_link.calibration"] = (
             f"NOT MEASURED by {where}: the trace has no MemcpyH2D/MemcpyD2H events (the CPU backend has no "
-            f"host<->device link); d2h/h2d/duplex figures and their sources are {base.name}'s")
+            f"host<->device link, and a TPU's trace writes none; hloopt calibrate without --profile times "
+            f"it); d2h/h2d/duplex figures and their sources are {base.name}'s")
         p = dataclasses.replace(p, sources=sources)
     return dataclasses.replace(p, name=name) if name is not None else p
 

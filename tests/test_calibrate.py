@@ -46,6 +46,20 @@ def test_calibrated_profile_keeps_base_and_records_source() -> None:
     assert "TPU v5 lite" in src and "2025-01-02 03:04 UTC" in src and "pinned_host" in src and "1.00 GiB" in src
 
 
+def test_a_link_timed_one_direction_at_a_time_keeps_the_base_duplex_ratio() -> None:
+    """Copies timed inside one program measure each direction alone: the calibrated profile's
+    duplex rates are the measured one-way rates times the base profile's duplex ratio (v5e: D2H
+    keeps 0.96, H2D falls to 0.5, an assumption its sources name), and say so."""
+    cal = Calibration(device_kind="TPU v5 lite", platform="tpu", d2h=LinkFit(8e-6, 14e9), h2d=LinkFit(12e-6, 12e9),
+                      duplex_d2h_bytes_per_s=None, duplex_h2d_bytes_per_s=None, pinned_host=True,
+                      samples=(("d2h", 1 << 20, 1e-4), ("d2h", 1 << 30, 1e-1)))
+    base = load_profile("v5e")
+    p = calibrated_profile(base, cal)
+    assert p.duplex_d2h_bytes_per_s == pytest.approx(14e9 * base.duplex_d2h_bytes_per_s / base.d2h_bytes_per_s)
+    assert p.duplex_h2d_bytes_per_s == pytest.approx(12e9 * base.duplex_h2d_bytes_per_s / base.h2d_bytes_per_s)
+    assert "scaled by the base profile's duplex ratio 0.50" in p.sources["duplex_h2d_bytes_per_s"]
+
+
 @pytest.mark.parametrize(
     ("kind", "name"),
     [("TPU v5 lite", "tpu-v5e"), ("TPU v5", "tpu-v5p"), ("TPU v6 lite", "tpu-v6e"), ("TPU v4", "tpu-v4"),
@@ -94,7 +108,7 @@ def test_the_link_is_timed_through_host_buffers_inside_one_program() -> None:
 
     topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
     dev = topo.devices[0]
-    _, h2d, round_trip, _ = link_programs(dev)
+    _, h2d, round_trip = link_programs(dev)
     x = jax.ShapeDtypeStruct((1 << 20,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(dev))
     lowered = round_trip.trace(x).lower(lowering_platforms=("tpu",))
     placements = [line.split('_xla_buffer_placement = "')[1].split('"')[0]

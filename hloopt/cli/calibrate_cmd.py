@@ -58,7 +58,9 @@ def calibrate(base: str | None, out: str | None, sizes: tuple[int, ...], repeats
         click.echo(f"{cal.device_kind}: D2H {format_rate(cal.d2h.bytes_per_s)} "
                    f"(+{format_seconds(cal.d2h.latency_s)}), H2D {format_rate(cal.h2d.bytes_per_s)} "
                    f"(+{format_seconds(cal.h2d.latency_s)}), duplex D2H/H2D "
-                   f"{format_rate(cal.duplex_d2h_bytes_per_s)} / {format_rate(cal.duplex_h2d_bytes_per_s)}")
+                   + (f"{format_rate(cal.duplex_d2h_bytes_per_s)} / {format_rate(cal.duplex_h2d_bytes_per_s)}"
+                      if cal.duplex_d2h_bytes_per_s is not None and cal.duplex_h2d_bytes_per_s is not None
+                      else "not measured (the base profile's ratio kept)"))
         if out:
             write_profile(profile, Path(out))
             click.echo(f"wrote {out}")
