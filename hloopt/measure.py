@@ -3,9 +3,12 @@
 For the plan (``plan=``) and for each built-in policy (JAX's ``jax.checkpoint_policies`` and, where
 the program uses MaxText's tensor names, MaxText's presets: :mod:`hloopt.anchors`) whose predicted
 peak fits the budget, the step is built with that policy, compiled for the current device, run
-``warmup`` times untimed and ``steps`` times timed (each call waited for with
-``block_until_ready``; the timed steps go round-robin over the policies, so that other load on
-the machine falls on all of them alike), and we report
+``warmup`` times untimed and ``steps`` times timed (round-robin over the policies, so that other
+load on the machine falls on all of them alike). A timed sample is one call waited for with
+``block_until_ready`` (``back_to_back=1``: the step's latency, the host's dispatch included), or
+the steady state of ``back_to_back`` calls queued as a training loop queues them, each dispatched
+before the previous one is waited for (the step time the device sets wherever the host keeps up,
+which is what the simulator predicts). We report
 
 * the median and spread (min, max, first and third quartile) of the timed steps;
 * the device's peak bytes in use (``device.memory_stats()["peak_bytes_in_use"]``) where the backend
@@ -118,6 +121,8 @@ class Measurement:
     #: Kendall's tau between predicted and measured time ranks over the measured rows (None: < 2 rows)
     rank_agreement: float | None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: calls queued per timed sample (:func:`time_steps`): 1 times each call waited for alone
+    back_to_back: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict, schema :data:`SCHEMA`."""
@@ -144,6 +149,7 @@ class Measurement:
             "schema": SCHEMA, "target": self.target,
             "device": {"kind": self.device_kind, "platform": self.platform},
             "profile": self.profile, "steps": self.steps, "warmup": self.warmup,
+            "back_to_back": self.back_to_back,
             "budget_bytes": self.budget_bytes, "device_peak_note": self.device_peak_note,
             "rank_agreement": self.rank_agreement, "notes": list(self.notes), "rows": rows,
         }
@@ -183,20 +189,52 @@ def materialize(tree: Any, *, seed: int = 0) -> Any:
 
 
 def time_steps(compiled: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *,
-               steps: int, warmup: int) -> StepTimes:
-    """Run ``compiled`` ``warmup`` times, then time ``steps`` calls, each until its outputs are ready."""
+               steps: int, warmup: int, back_to_back: int = 1) -> StepTimes:
+    """Run ``compiled`` ``warmup`` times, then take ``steps`` timed samples.
+
+    With ``back_to_back`` 1 a sample is one call, timed until its outputs are ready: the step's
+    latency, the host's dispatch included. A training loop does not wait so: it queues the next
+    step while the device runs this one, so a step costs the device's time wherever the host
+    keeps up. With ``back_to_back`` N >= 2 a sample queues N calls, each dispatched before the
+    previous one is waited for (two in flight at most, as such a loop holds), and is the time from
+    the first call's outputs being ready to the last's, over N - 1: the steady-state step time.
+    That needs a device that runs calls in order (a TPU's or GPU's stream): the CPU backend runs
+    independent calls at once, where a real loop's steps wait on each other's outputs, so there
+    ``back_to_back`` 1 is the step time (:func:`default_back_to_back`)."""
     import jax
 
+    if back_to_back < 1:
+        raise UserError(f"--back-to-back must be >= 1, got {back_to_back}")
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args, **kwargs))
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        out = compiled(*args, **kwargs)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t0)
-        del out
+        if back_to_back == 1:
+            t0 = time.perf_counter()
+            out = compiled(*args, **kwargs)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t0)
+            del out
+            continue
+        prev = compiled(*args, **kwargs)
+        first = None
+        for _ in range(back_to_back - 1):
+            cur = compiled(*args, **kwargs)
+            jax.block_until_ready(prev)
+            if first is None:
+                first = time.perf_counter()
+            prev = cur
+        jax.block_until_ready(prev)
+        assert first is not None
+        times.append((time.perf_counter() - first) / (back_to_back - 1))
+        del prev, cur
     return StepTimes(tuple(times))
+
+
+def default_back_to_back(platform: str) -> int:
+    """Calls per timed sample where the user names none: 4 on an accelerator, 1 on the CPU backend
+    (see :func:`time_steps`)."""
+    return 1 if platform == "cpu" else 4
 
 
 def device_peak_bytes(device: Any) -> tuple[int | None, str | None]:
@@ -249,8 +287,8 @@ class _Candidate:
 
 
 def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: str = "builtin",
-            steps: int = 10, warmup: int = 2, budget: str | None = None, seed: int = 0,
-            compile: str | None = None,
+            steps: int = 10, warmup: int = 2, back_to_back: int | None = None, budget: str | None = None,
+            seed: int = 0, compile: str | None = None,
             progress: Callable[[str], Any] | None = None) -> Measurement:
     """Predict, then run and time, the plan's policy and the built-in ones (see the module docstring).
 
@@ -259,7 +297,9 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     only). ``budget`` (a size or a share of the all-saved predicted peak, default the plan's)
     leaves out anchors predicted over it. ``compile`` (``cpu``, ``tpu-v5e``...) predicts from the
     compiler's scheduled module, as ``hloopt plan --compile`` does. Each policy runs at least one
-    untimed step (its memory is read after it), ``max(warmup, 1)`` in all.
+    untimed step (its memory is read after it), ``max(warmup, 1)`` in all. ``back_to_back``: calls
+    queued per timed sample, see :func:`time_steps` (None: :func:`default_back_to_back` for the
+    device).
     """
     import contextlib
 
@@ -271,8 +311,9 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     from hloopt.simulator import simulate
     from hloopt.targets import Target, resolve
 
-    if steps < 1 or warmup < 0:
-        raise UserError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
+    if steps < 1 or warmup < 0 or (back_to_back is not None and back_to_back < 1):
+        raise UserError(f"--steps and --back-to-back must be >= 1 and --warmup >= 0, got {steps}, "
+                        f"{back_to_back} and {warmup}")
     if policies not in ("builtin", "none"):
         raise UserError(f"--policies {policies!r}: expected 'builtin' or 'none'")
     prog = progress or (lambda label: contextlib.nullcontext())
@@ -311,6 +352,8 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
             cands.append(_Candidate(a.name, a.kind, a.code, policy_object(a, names), r.step_time_s, r.peak_bytes))
 
     dev = jax.devices()[0]
+    if back_to_back is None:
+        back_to_back = default_back_to_back(str(dev.platform))
     args: Any = None
     kwargs: Any = None
     rows: list[PolicyRow] = []
@@ -365,7 +408,8 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
                 if i in failed:
                     continue
                 try:
-                    times[i].extend(time_steps(compiled, args, kwargs, steps=1, warmup=0).times_s)
+                    times[i].extend(time_steps(compiled, args, kwargs, steps=1, warmup=0,
+                                               back_to_back=back_to_back).times_s)
                 except Exception as err:
                     failed[i] = _one_line(err)
     for i, (base, _, memory) in enumerate(ready):
@@ -381,7 +425,8 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
                        [r.measured.median_s for r in ran if r.measured is not None]) if len(ran) >= 2 else None
     return Measurement(target=tgt.name, device_kind=str(dev.device_kind), platform=str(dev.platform),
                        profile=profile.name, steps=steps, warmup=warmup, budget_bytes=budget_bytes,
-                       rows=tuple(rows), device_peak_note=note, rank_agreement=tau, notes=tuple(notes))
+                       rows=tuple(rows), device_peak_note=note, rank_agreement=tau, notes=tuple(notes),
+                       back_to_back=back_to_back)
 
 
 def _one_line(err: BaseException) -> str:

@@ -367,6 +367,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                 contrib[ins.produced] += ins.bytes
                 contrib[ins.last_use + 1] -= ins.bytes
             remat_s += an.cost.seconds(_recomputed_op(r.producer)) * max(r.layers, 1)
+            remat_s -= _stack_keep_s(an, r)
         r0 = rs[0]
         prod = _through_markers(r0.producer)
         movable = any(under_checkpoint(r) for r in rs) and (
@@ -777,6 +778,39 @@ def _is_input(inst: Instruction) -> bool:
     return inst.opcode == "parameter"
 
 
+def _stack_keep_s(an: Analyzed, r: Any) -> float:
+    """Modeled seconds the step as lowered spends keeping a scanned residual for the backward
+    pass, which a plan that recomputes it does not spend: the forward loop's
+    ``dynamic-update-slice`` writing each layer's value into the ``[L, ...]`` stack and the
+    backward loop's ``dynamic-slice`` reading it back, once per iteration each. The module is
+    lowered with every residual saved, so its step time holds these for every residual; JAX's
+    scan lowered with the residual recomputed has neither. (The stack's zero initial value is
+    left in: one broadcast feeds every stack of a shape, and stays while any of them does.)
+    Zero for a residual kept outside a loop: it is held, not copied."""
+    from hloopt.passes.loops import trip_count
+
+    if not r.stacked or r.inst.opcode != "get-tuple-element" or r.forward_loop is None:
+        return 0.0
+    k = r.inst.tuple_index
+    root = r.forward_loop.called["body"][0].root
+    total = 0.0
+    if root.opcode == "tuple" and k < len(root.operands) and root.operands[k].opcode == "dynamic-update-slice":
+        total += an.cost.seconds(root.operands[k]) * (trip_count(r.forward_loop) or r.layers)
+    bl = r.backward_loop
+    if bl is not None and bl.operands and bl.operands[0].opcode == "tuple":
+        body = bl.called["body"][0]
+        trips = trip_count(bl) or r.layers
+        for j, o in enumerate(bl.operands[0].operands):
+            if o is not r.inst:
+                continue
+            for param in body.parameters:
+                for g in param.users:
+                    if g.opcode == "get-tuple-element" and g.tuple_index == j:
+                        total += trips * sum(an.cost.seconds(u) for u in g.users
+                                             if u.opcode == "dynamic-slice" and u.operands[0] is g)
+    return total
+
+
 def _stack_start(an: Analyzed, r: Any, smap: StepMap, *, default: int) -> int:
     """First step at which a stacked residual's ``[L, ...]`` buffer is allocated (its zero
     initial value before the forward loop, which the loop updates in place)."""
@@ -952,6 +986,8 @@ def _reason(c: Candidate, action: Action, problem: Problem) -> str:
             why += f" ({problem.notes[f'eager:{c.key}']})"
         return why
     if action == Action.REMAT:
+        if c.remat_s < 0:
+            return f"recomputing it is {format_seconds(-c.remat_s)} faster than keeping its stack"
         return f"recompute costs {format_seconds(c.remat_s)}, cheaper than moving it"
     if Action.OFFLOAD not in c.allowed:
         if f"kept:{c.key}" in problem.notes:

@@ -83,7 +83,9 @@ class Candidate:
     instances: tuple[Instance, ...]
     #: Actions a JAX policy can express for this candidate.
     allowed: frozenset[Action] = frozenset({Action.DEVICE, Action.OFFLOAD})
-    #: Extra compute seconds to recompute all instances (if REMAT is allowed).
+    #: Extra compute seconds to recompute all instances (if REMAT is allowed), net of what keeping
+    #: them costs the step as lowered (a scanned residual's stack writes and reads): negative
+    #: where recomputing is cheaper than keeping.
     remat_s: float = 0.0
     #: Of ``remat_s``, the seconds the host's CPU computes (the optimizer update on the host:
     #: REMAT of the optimizer-state candidate); reports show them beside the device's compute.

@@ -400,6 +400,9 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
             if hi > lo and code[lo] == 2:
                 per[lo:hi] = c.remat_s / (hi - lo)
         np.add.at(dur, a.fbu[remat], per[remat])
+        # remat_s is net of the stack writes and reads a kept scanned residual costs, so it can
+        # be negative; a step is never shorter than nothing
+        np.maximum(dur, 0.0, out=dur)
     S0 = np.zeros(T + 1)
     np.cumsum(dur, out=S0[1:])
     compute_s = float(S0[T])

@@ -355,6 +355,33 @@ def test_lowered_fit_attributes_kernel_time_by_op_name_hand_computed(tmp_path: P
     assert "of the step as lowered" in fitted.sources["compute_efficiency.dot"]
 
 
+def test_on_an_accelerator_the_fit_reproduces_the_device_run_not_the_host_marker(tmp_path: Path) -> None:
+    """The same two steps as above, now with a device line: each run of the module on the device
+    (``XLA Modules``) takes 45 us, and the host's StepTraceAnnotation around the call it waited
+    for 60 us (dispatch and the profiler's own work). A training loop queues its next step while
+    this one runs, so the device's 45 us is the step time the fit reproduces; the 5 us between
+    the kernels inside the run are split over the classes as their 40 us are (dot 30 * 45/40)."""
+    from hloopt.hlo.parser import parse_module
+    from hloopt.passes.cost import CostAnalysis
+    from hloopt.profile_trace import ModuleRun
+
+    h200 = load_profile("h200")
+    lowered, compiled = parse_module(_LOWERED), parse_module(_COMPILED)
+    ops, steps, runs = [], [], []
+    for k in range(2):
+        t0 = 100.0 * k
+        ops += [OpEvent("jit_f", "dot.1", t0 + 5, 30.0, 1, 2), OpEvent("jit_f", "fusion.1", t0 + 40, 10.0, 1, 2)]
+        runs.append(ModuleRun(t0 + 5, 45.0, 1, 3, device_line=True, module="jit_f"))
+        steps.append(Step("train", str(k), t0, 60.0))
+    trace = Trace(tmp_path, ops=tuple(ops), runs=tuple(runs), transfers=(), steps=tuple(steps))
+    cal = fit_trace_lowered(trace, compiled, lowered, h200)
+    fits = {f.op_class: f for f in cal.fits}
+    assert fits["dot"].measured_s == pytest.approx(30e-6 * 45 / 40)
+    assert fits["elementwise"].measured_s == pytest.approx(10e-6 * 45 / 40)
+    fitted = trace_calibrated_profile(h200, cal)
+    assert CostAnalysis(profile=fitted).run(lowered).totals.seconds == pytest.approx(45e-6)
+
+
 def test_lowered_fit_counts_loop_bodies_by_their_trip_count(tmp_path: Path) -> None:
     """A loop of 4 iterations around an add: the lowered add runs 4 times a step, so its class's
     roofline per step is 4 adds', and the fit still reproduces the step's wall time."""

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from hloopt.cli import cli
 from hloopt.devices import load_profile
+from hloopt.errors import UserError
 from hloopt.measure import SCHEMA, StepTimes, _kendall_tau, materialize, measure, time_steps
 
 ZOO = Path(__file__).resolve().parent.parent / "fixtures" / "zoo"
@@ -155,8 +156,9 @@ def test_cli_json_schema_is_stable() -> None:
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     assert d["schema"] == SCHEMA == 1
-    assert set(d) == {"schema", "target", "device", "profile", "steps", "warmup", "budget_bytes",
+    assert set(d) == {"schema", "target", "device", "profile", "steps", "warmup", "back_to_back", "budget_bytes",
                       "device_peak_note", "rank_agreement", "notes", "rows"}
+    assert d["back_to_back"] == 1  # the CPU backend runs queued calls at once
     assert d["steps"] == 3 and d["device"]["platform"] == "cpu" and d["profile"] == "tpu-v5e"
     assert any("predictions use tpu-v5e" in n for n in d["notes"])
     for row in d["rows"]:
@@ -208,3 +210,36 @@ def test_plan_row_carries_the_plans_prediction_and_runs_its_policy(tmp_path: Pat
         if over:
             assert "over the budget" in r["skipped"]
     assert any(r["skipped"] for r in rows.values())  # everything_saveable is over 97% of its own peak
+
+
+def test_back_to_back_samples_time_the_steady_state_step() -> None:
+    """A step that holds the host in a callback for 20 ms, queued 4 at a time: the calls made are
+    warm-up + steps x 4, and a sample is the time between the first and the last of its calls
+    finishing over the 3 between them. The CPU backend runs independent calls at once (a device
+    runs them in order), so two in flight finish a call per 10 ms at best; a queue that held more
+    would go faster."""
+    import jax
+    import jax.numpy as jnp
+
+    calls = []
+
+    def sleepy(x):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        time.sleep(0.02)
+        return x
+
+    f = jax.jit(lambda x: jax.pure_callback(sleepy, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1)
+    x = jnp.ones((4,))
+    jax.block_until_ready(f(x))
+    calls.clear()
+    t0 = time.perf_counter()
+    st = time_steps(f, (x,), {}, steps=3, warmup=1, back_to_back=4)
+    wall = time.perf_counter() - t0
+    assert len(st.times_s) == 3 and len(calls) == 1 + 3 * 4
+    assert st.min_s >= 0.01
+    assert 3 * st.max_s * 3 <= wall
+
+
+def test_back_to_back_below_one_is_a_user_error() -> None:
+    with pytest.raises(UserError, match="back-to-back"):
+        time_steps(lambda: None, (), {}, steps=1, warmup=0, back_to_back=0)

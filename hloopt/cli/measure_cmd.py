@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from hloopt.measure import Measurement
 
 from hloopt.cli.params import device_options, profile_from_options, user_errors
 
@@ -20,6 +23,11 @@ from hloopt.cli.params import device_options, profile_from_options, user_errors
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True, help="Timed steps per policy.")
 @click.option("--warmup", type=click.IntRange(min=0), default=3, show_default=True,
               help="Untimed steps first (the first call may include one-time work).")
+@click.option("--back-to-back", type=click.IntRange(min=1), default=None,
+              help="Calls queued per timed sample, each dispatched before the previous is waited for, as a "
+                   "training loop runs them: a sample is the steady-state time per step. 1 times each call alone "
+                   "(latency, the host's dispatch included). Default: 4 on an accelerator, 1 on the CPU backend "
+                   "(which runs independent calls at once).")
 @click.option("--budget", default=None,
               help="Leave out built-in policies predicted over this (a size or a share of the all-saved peak); "
                    "default: the plan's budget.")
@@ -29,8 +37,9 @@ from hloopt.cli.params import device_options, profile_from_options, user_errors
 @device_options
 @click.option("--json", "as_json", is_flag=True, help="Print the measurement as JSON only.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress display.")
-def measure(target: str, plan_path: str | None, policies: str, steps: int, warmup: int, budget: str | None,
-            size: str | None, compile_target: str | None, as_json: bool, quiet: bool, **device_kw: object) -> int:
+def measure(target: str, plan_path: str | None, policies: str, steps: int, warmup: int, back_to_back: int | None,
+            budget: str | None, size: str | None, compile_target: str | None, as_json: bool, quiet: bool,
+            **device_kw: object) -> int:
     """Time TARGET's step on the current JAX device with each policy; show predicted beside measured."""
     with user_errors():
         from hloopt.measure import measure as run_measure
@@ -41,8 +50,8 @@ def measure(target: str, plan_path: str | None, policies: str, steps: int, warmu
         profile, why = _profile(plan_path, device_kw)
         tgt = resolve(target, size=size)
         m = run_measure(tgt, profile=profile, plan=plan_path, policies=policies, steps=steps, warmup=warmup,
-                        budget=budget, compile=compile_target, progress=lambda label: progress(label, console=console,
-                                                                       quiet=quiet or as_json))
+                        back_to_back=back_to_back, budget=budget, compile=compile_target,
+                        progress=lambda label: progress(label, console=console, quiet=quiet or as_json))
         if as_json:
             d = m.to_dict()
             if why:
@@ -81,18 +90,20 @@ def _profile(plan_path: str | None, device_kw: dict[str, object]) -> tuple[Any, 
     return profile_from_options(**{**device_kw, "default": name}), why  # type: ignore[arg-type]
 
 
-def _print(m: object, console: object, why: str | None) -> None:
+def _print(m: Measurement, console: Any, why: str | None) -> None:
     from rich.table import Table
 
     from hloopt.units import format_bytes, format_seconds
 
-    mm = m  # type: ignore[assignment]
-    t = Table(title=f"{mm.target} on {mm.device_kind} ({mm.platform}): predicted for {mm.profile} vs measured, "  # type: ignore[attr-defined]
-                    f"median of {mm.steps} steps after {mm.warmup} warm-up", title_justify="left")  # type: ignore[attr-defined]
+    mm = m
+    t = Table(title=f"{mm.target} on {mm.device_kind} ({mm.platform}): predicted for {mm.profile} vs measured, "
+                    f"median of {mm.steps} samples after {mm.warmup} warm-up"
+                    + (f", each {mm.back_to_back} steps queued back to back" if mm.back_to_back > 1 else ""),
+                    title_justify="left")
     for col in ("policy", "pred. time", "pred. peak", "pred. rank", "meas. time (median)", "min..max",
                 "meas. rank", "device peak", "host peak RSS", "XLA temp"):
         t.add_column(col, justify="left" if col == "policy" else "right")
-    for r in mm.rows:  # type: ignore[attr-defined]
+    for r in mm.rows:
         label = "[bold]hloopt plan[/bold]" if r.kind == "plan" else f"{r.kind}: {r.name}"
         pred = [format_seconds(r.predicted_step_time_s), format_bytes(r.predicted_peak_bytes),
                 str(r.predicted_rank or "-")]
@@ -106,10 +117,10 @@ def _print(m: object, console: object, why: str | None) -> None:
                   str(r.measured_rank), dpeak,
                   "-" if r.host_peak_rss_bytes is None else format_bytes(r.host_peak_rss_bytes),
                   "-" if r.compiled_temp_bytes is None else format_bytes(r.compiled_temp_bytes))
-    console.print(t)  # type: ignore[attr-defined]
-    if mm.rank_agreement is not None:  # type: ignore[attr-defined]
-        console.print(f"rank agreement (Kendall tau, predicted vs measured time): {mm.rank_agreement:+.2f}")  # type: ignore[attr-defined]
-    if mm.device_peak_note:  # type: ignore[attr-defined]
-        console.print(f"device peak n/a: {mm.device_peak_note}")  # type: ignore[attr-defined]
-    for n in (*mm.notes, *([why] if why else [])):  # type: ignore[attr-defined]
-        console.print(f"note: {n}")  # type: ignore[attr-defined]
+    console.print(t)
+    if mm.rank_agreement is not None:
+        console.print(f"rank agreement (Kendall tau, predicted vs measured time): {mm.rank_agreement:+.2f}")
+    if mm.device_peak_note:
+        console.print(f"device peak n/a: {mm.device_peak_note}")
+    for n in (*mm.notes, *([why] if why else [])):
+        console.print(f"note: {n}")
