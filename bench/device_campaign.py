@@ -103,6 +103,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=400, help="seconds allowed to each plan and measurement")
     ap.add_argument("--dry-run", action="store_true", help="CPU backend, tiny sizes")
     ap.add_argument("--skip-before", action="store_true", help="only calibrate, plan and measure again")
+    ap.add_argument("--judge", choices=["flops", "compiled"], default="flops",
+                    help="plan's --judge: fewest FLOPs as lowered, or libtpu's compiled roofline (TPU profiles)")
     a = ap.parse_args()
     device = a.device or {"cuda": "h200", "tpu": "tpu-v5e"}[a.platform]
     out = Path(a.out).resolve()
@@ -113,6 +115,7 @@ def main() -> int:
     off_device = dict(env, JAX_PLATFORMS="cpu")
     py = [sys.executable, "-m", "hloopt"]
     results: dict[str, Any] = {"schema": "hloopt.device_campaign/1", "budget": a.budget, "device_profile": device,
+                               "judge": a.judge,
                                "steps": a.steps, "versions": versions(env, out), "targets": {}}
     res_path = out / "results.json"
     with open(out / "log.txt", "w") as log:
@@ -154,7 +157,8 @@ def main() -> int:
                     else:
                         break
                 plan = work / f"plan-{phase}.json"
-                rc, text = sh(py + ["plan", target, *size_opt, *dev, "--budget", a.budget, "--out", str(plan), "-q"],
+                rc, text = sh(py + ["plan", target, *size_opt, *dev, "--budget", a.budget, "--judge", a.judge,
+                                    "--out", str(plan), "-q"],
                               log, off_device, a.timeout, out)
                 r[f"plan_{phase}"] = json.loads(plan.read_text()) if rc == 0 else {"rc": rc, "output": text[-3000:]}
                 if rc != 0:
