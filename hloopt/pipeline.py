@@ -256,10 +256,14 @@ class StepMap:
         return self.first[entry_index] + self.count[entry_index] - 1
 
 
+#: ``checkpoint_name``'s identity marker and the views a value passes through unchanged
+_MARKERS = frozenset({"reduce-precision", "copy", "bitcast", "reshape"})
+
+
 def _through_markers(inst: Instruction) -> Instruction:
     """The op that computes a value, looking through ``checkpoint_name``'s identity marker."""
     seen = 0
-    while inst.opcode in ("reduce-precision", "copy", "bitcast", "reshape") and inst.operands and seen < 8:
+    while inst.opcode in _MARKERS and inst.operands and seen < 8:
         inst = inst.operands[0]
         seen += 1
     return inst
@@ -324,6 +328,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     smap = StepMap(first, count)
 
     groups = candidate_groups(residuals)
+    recompute_s = _recompute_seconds(an, residuals)
 
     import numpy as np
 
@@ -366,7 +371,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                 instances.append(ins)
                 contrib[ins.produced] += ins.bytes
                 contrib[ins.last_use + 1] -= ins.bytes
-            remat_s += an.cost.seconds(_recomputed_op(r.producer)) * max(r.layers, 1)
+            remat_s += recompute_s[id(r)] * max(r.layers, 1)
             remat_s -= _stack_keep_s(an, r)
         r0 = rs[0]
         prod = _through_markers(r0.producer)
@@ -778,6 +783,102 @@ def _is_input(inst: Instruction) -> bool:
     return inst.opcode == "parameter"
 
 
+#: where a recomputation starts from: values the backward pass has without computing them
+_RECOMPUTE_SOURCES = frozenset({"parameter", "constant", "iota", "while", "call", "conditional",
+                                "custom-call", "rng-get-and-update-state"})
+
+
+def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, float]:
+    """Modeled seconds (one execution: a scanned residual's per layer) of what recomputing each
+    residual re-runs, by ``id`` of the residual.
+
+    JAX's rematerialization re-runs the forward ops between a value and what the backward pass
+    has: the checkpoint's inputs and the values the policy saves. Its producer alone is not that:
+    a dropout mask is a ``select`` over the output of the threefry hash of its key, dozens of
+    integer ops; an attention probability needs its scores. So a residual's recomputation is
+    what of its cone the forward pass needs anyway: its producer and the producer's operands,
+    transitively, up to the producers of
+    residuals (which the plan saves, or recomputes at their own cost), loop state and
+    parameters, constants, the ops that open loops and calls, and static values (weights and
+    what is cheap to derive from them, passes/residuals.py: a scan's slice of its stacked
+    weights, a weight's cast, which the backward pass computes whatever is saved). An op in the cones of several
+    residuals is shared among them in equal parts, so that recomputing all of them costs each op
+    once (full rematerialization: the forward again), and recomputing one costs its own chain
+    and a share of the rest."""
+    from hloopt.passes.residuals import _static_values, static_values_of
+
+    producers = {_recomputed_op(r.producer) for r in an.residuals}
+    entry = an.module.entry
+    assert entry is not None
+    entry_static = _static_values(entry.instructions)
+    static_by_loop: dict[int, set[Instruction]] = {}
+    entry_needed = _ancestors_of([an.residuals.loss])
+    needed_by_loop: dict[int, set[Instruction]] = {}
+    stacks: dict[int, set[int]] = {}  # forward loop -> its tuple elements that are residual stacks
+    for r in an.residuals:
+        if r.stacked and r.forward_loop is not None and r.inst.opcode == "get-tuple-element":
+            stacks.setdefault(id(r.forward_loop), set()).add(r.inst.tuple_index)
+    cones: dict[int, list[Instruction]] = {}
+    shared: dict[Instruction, int] = {}
+    for r in residuals:
+        start = _recomputed_op(r.producer)
+        if r.stacked and r.forward_loop is not None:
+            loop = r.forward_loop
+            static = static_by_loop.get(id(loop))
+            if static is None:
+                static = static_by_loop[id(loop)] = static_values_of(loop, entry_static)
+            needed = needed_by_loop.get(id(loop))
+            if needed is None:
+                root = loop.called["body"][0].root
+                outs = [o for k, o in enumerate(root.operands) if k not in stacks.get(id(loop), set())] \
+                    if root.opcode == "tuple" else [root]
+                needed = needed_by_loop[id(loop)] = _ancestors_of(outs)
+        else:
+            static, needed = entry_static, entry_needed
+        seen = {start}
+        todo = [start]
+        cone: list[Instruction] = []
+        while todo:
+            inst = todo.pop()
+            cone.append(inst)
+            for o in inst.operands:
+                if o in seen or o in producers or o in static or o.opcode in _RECOMPUTE_SOURCES \
+                        or _through_markers(o) in producers:
+                    continue
+                if o.opcode == "get-tuple-element" and _through_markers(o.operands[0]).opcode in (
+                        "parameter", "while", "call", "conditional"):
+                    continue  # loop state, a call's result: there in the backward pass
+                seen.add(o)
+                todo.append(o)
+        # what only residuals read is computed once either way: forward when saved, backward
+        # when recomputed (a derivative JAX's linearization computes ahead, cos x of sin x)
+        cone = [i for i in cone if i in needed]
+        cones[id(r)] = cone
+        for inst in cone:
+            shared[inst] = shared.get(inst, 0) + 1
+    out: dict[int, float] = {}
+    for r in residuals:
+        total = 0.0
+        for inst in cones[id(r)]:
+            if inst.name in an.cost.per_instruction:
+                total += an.cost.seconds(inst) / shared[inst]
+        out[id(r)] = total
+    return out
+
+
+def _ancestors_of(outputs: Iterable[Instruction]) -> set[Instruction]:
+    """``outputs`` and every instruction they read, transitively, in their computation."""
+    out: set[Instruction] = set()
+    todo = list(outputs)
+    while todo:
+        inst = todo.pop()
+        if inst in out:
+            continue
+        out.add(inst)
+        todo.extend(inst.operands)
+    return out
+
+
 def _stack_keep_s(an: Analyzed, r: Any) -> float:
     """Modeled seconds the step as lowered spends keeping a scanned residual for the backward
     pass, which a plan that recomputes it does not spend: the forward loop's
@@ -795,7 +896,15 @@ def _stack_keep_s(an: Analyzed, r: Any) -> float:
     root = r.forward_loop.called["body"][0].root
     total = 0.0
     if root.opcode == "tuple" and k < len(root.operands) and root.operands[k].opcode == "dynamic-update-slice":
-        total += an.cost.seconds(root.operands[k]) * (trip_count(r.forward_loop) or r.layers)
+        dus = root.operands[k]
+        fwd = an.cost.seconds(dus)
+        # the views and checkpoint_name marker between the value and the stack write, there
+        # only to save it
+        v = dus.operands[1] if len(dus.operands) > 1 else None
+        while v is not None and v.opcode in _MARKERS and len(v.users) == 1 and v.operands:
+            fwd += an.cost.seconds(v) if v.name in an.cost.per_instruction else 0.0
+            v = v.operands[0]
+        total += fwd * (trip_count(r.forward_loop) or r.layers)
     bl = r.backward_loop
     if bl is not None and bl.operands and bl.operands[0].opcode == "tuple":
         body = bl.called["body"][0]
@@ -806,8 +915,16 @@ def _stack_keep_s(an: Analyzed, r: Any) -> float:
             for param in body.parameters:
                 for g in param.users:
                     if g.opcode == "get-tuple-element" and g.tuple_index == j:
-                        total += trips * sum(an.cost.seconds(u) for u in g.users
-                                             if u.opcode == "dynamic-slice" and u.operands[0] is g)
+                        for u in g.users:
+                            if u.opcode != "dynamic-slice" or u.operands[0] is not g:
+                                continue
+                            bwd = an.cost.seconds(u)
+                            # and the views that take the stack's slice back to the value's shape
+                            v = u
+                            while len(v.users) == 1 and v.users[0].opcode in _MARKERS:
+                                v = v.users[0]
+                                bwd += an.cost.seconds(v) if v.name in an.cost.per_instruction else 0.0
+                            total += trips * bwd
     return total
 
 

@@ -674,6 +674,17 @@ def _static_values(order: Sequence[Instruction]) -> set[Instruction]:
     return _static_in(order, lambda inst: inst.opcode == "parameter")
 
 
+def static_values_of(loop: Instruction | None, entry_static: set[Instruction]) -> set[Instruction]:
+    """:func:`_static_values` of a ``while``'s body (``loop``; ``entry_static`` the entry's):
+    the loop state elements that stay static through every iteration (a scan's stacked weights)
+    and what is cheap to derive from them."""
+    body = loop.callee("body") if loop is not None else None
+    if body is None:
+        return set()
+    elements = _static_loop_elements(loop, entry_static, 0)
+    return _static_in(body.instructions, lambda i: i.opcode == "get-tuple-element" and i.tuple_index in elements)
+
+
 def _static_in(order: Sequence[Instruction], param_static, depth: int = 0) -> set[Instruction]:  # type: ignore[no-untyped-def]
     const_only: set[Instruction] = set()
     static: set[Instruction] = set()

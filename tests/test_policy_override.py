@@ -268,9 +268,12 @@ def test_config_only_plan_recomputes_what_the_config_cannot_name() -> None:
         if d.name not in MAXTEXT_NAMES:
             assert d.action == ("remat" if any(a.value == "remat" for a in allowed[d.key]) else "device")
     assert alt.predicted.peak_bytes <= outcome.plan.budget.bytes
-    # a narrower choice never beats the optimum of the wider one (within the MILP's gap)
+    # a narrower choice never beats the optimum of the wider one (within the MILP's gap, and the
+    # 5% within which the planner times a policy as the step lowered with it: the config-only
+    # plan is searched over the step lowered again with the names alone saved,
+    # tests/test_time_model.py)
     gap = outcome.plan.solver.gap or 0.0
-    assert alt.predicted.step_time_s >= outcome.plan.predicted.step_time_s * (1 - gap - 1e-9)
+    assert alt.predicted.step_time_s >= outcome.plan.predicted.step_time_s * (1 - gap - 0.05)
 
 
 def test_remat3_gets_a_policy_it_reads_or_is_told_what_it_cannot_do(tmp_path) -> None:
