@@ -678,7 +678,9 @@ def static_values_of(loop: Instruction | None, entry_static: set[Instruction]) -
     """:func:`_static_values` of a ``while``'s body (``loop``; ``entry_static`` the entry's):
     the loop state elements that stay static through every iteration (a scan's stacked weights)
     and what is cheap to derive from them."""
-    body = loop.callee("body") if loop is not None else None
+    if loop is None:
+        return set()
+    body = loop.callee("body")
     if body is None:
         return set()
     elements = _static_loop_elements(loop, entry_static, 0)
