@@ -50,6 +50,15 @@ class StepTimes:
 
     #: every timed step, in order
     times_s: tuple[float, ...]
+    #: seconds the host took to dispatch each step queued back to back (the call returning, the
+    #: device not waited for); empty when steps were timed one call at a time
+    dispatch_s: tuple[float, ...] = ()
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the host's dispatch sets the pace: dispatching a step takes 80% or more of the
+        time per step, so the device waits on the host and a faster device step would not show."""
+        return bool(self.dispatch_s) and _quantile(self.dispatch_s, 0.5) >= 0.8 * self.median_s
 
     @property
     def median_s(self) -> float:
@@ -136,6 +145,8 @@ class Measurement:
                 "measured": None if m is None else {
                     "step_time_s": {"median": m.median_s, "min": m.min_s, "max": m.max_s, "q1": m.q1_s,
                                     "q3": m.q3_s},
+                    "dispatch_s": {"median": _quantile(m.dispatch_s, 0.5)} if m.dispatch_s else None,
+                    "host_bound": m.host_bound,
                     "times_s": list(m.times_s),
                     "device_peak_bytes": r.device_peak_bytes,
                     "device_peak_is_own": r.device_peak_is_own,
@@ -208,6 +219,7 @@ def time_steps(compiled: Callable[..., Any], args: Sequence[Any], kwargs: Mappin
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args, **kwargs))
     times = []
+    dispatch: list[float] = []
     for _ in range(steps):
         if back_to_back == 1:
             t0 = time.perf_counter()
@@ -219,7 +231,9 @@ def time_steps(compiled: Callable[..., Any], args: Sequence[Any], kwargs: Mappin
         prev = compiled(*args, **kwargs)
         first = None
         for _ in range(back_to_back - 1):
+            t0 = time.perf_counter()
             cur = compiled(*args, **kwargs)
+            dispatch.append(time.perf_counter() - t0)
             jax.block_until_ready(prev)
             if first is None:
                 first = time.perf_counter()
@@ -228,7 +242,7 @@ def time_steps(compiled: Callable[..., Any], args: Sequence[Any], kwargs: Mappin
         assert first is not None
         times.append((time.perf_counter() - first) / (back_to_back - 1))
         del prev, cur
-    return StepTimes(tuple(times))
+    return StepTimes(tuple(times), tuple(dispatch))
 
 
 def default_back_to_back(platform: str) -> int:
@@ -401,6 +415,7 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     # Timed steps round-robin over the policies, so that load from elsewhere on the machine (and
     # clock changes) falls on every row alike rather than on whichever ran during it.
     times: list[list[float]] = [[] for _ in ready]
+    dispatches: list[list[float]] = [[] for _ in ready]
     failed: dict[int, str] = {}
     with prog(f"timing {steps} steps of each of {len(ready)} policies, interleaved"):
         for _ in range(steps):
@@ -408,19 +423,24 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
                 if i in failed:
                     continue
                 try:
-                    times[i].extend(time_steps(compiled, args, kwargs, steps=1, warmup=0,
-                                               back_to_back=back_to_back).times_s)
+                    st = time_steps(compiled, args, kwargs, steps=1, warmup=0, back_to_back=back_to_back)
+                    times[i].extend(st.times_s)
+                    dispatches[i].extend(st.dispatch_s)
                 except Exception as err:
                     failed[i] = _one_line(err)
     for i, (base, _, memory) in enumerate(ready):
         if i in failed:
             rows.append(PolicyRow(**base, error=failed[i]))
         else:
-            rows.append(PolicyRow(**base, measured=StepTimes(tuple(times[i])), **memory))
+            rows.append(PolicyRow(**base, measured=StepTimes(tuple(times[i]), tuple(dispatches[i])), **memory))
     del ready
 
     rows = _ranked(rows)
     ran = [r for r in rows if r.measured is not None]
+    bound = [r.name for r in ran if r.measured is not None and r.measured.host_bound]
+    if bound:
+        notes.append(f"host-bound ({', '.join(bound)}): dispatching a step takes 80% or more of the time per step, "
+                     "so these times are the host's pace, not the device's, which is what hloopt predicts")
     tau = _kendall_tau([r.predicted_step_time_s for r in ran],
                        [r.measured.median_s for r in ran if r.measured is not None]) if len(ran) >= 2 else None
     return Measurement(target=tgt.name, device_kind=str(dev.device_kind), platform=str(dev.platform),

@@ -165,7 +165,10 @@ def test_cli_json_schema_is_stable() -> None:
         assert set(row) == {"name", "kind", "code", "predicted", "measured", "skipped", "error"}
         assert set(row["predicted"]) == {"step_time_s", "peak_bytes", "rank"}
         assert set(row["measured"]) == {"step_time_s", "times_s", "device_peak_bytes", "device_peak_is_own",
-                                        "host_peak_rss_bytes", "compiled_temp_bytes", "rank"}
+                                        "host_peak_rss_bytes", "compiled_temp_bytes", "rank", "dispatch_s",
+                                        "host_bound"}
+        # one call at a time on the CPU backend: no dispatch timed, no host-bound verdict
+        assert row["measured"]["dispatch_s"] is None and row["measured"]["host_bound"] is False
         assert set(row["measured"]["step_time_s"]) == {"median", "min", "max", "q1", "q3"}
         assert len(row["measured"]["times_s"]) == 3
 
@@ -236,6 +239,7 @@ def test_back_to_back_samples_time_the_steady_state_step() -> None:
     st = time_steps(f, (x,), {}, steps=3, warmup=1, back_to_back=4)
     wall = time.perf_counter() - t0
     assert len(st.times_s) == 3 and len(calls) == 1 + 3 * 4
+    assert len(st.dispatch_s) == 3 * 3 and all(d >= 0 for d in st.dispatch_s)
     assert st.min_s >= 0.01
     assert 3 * st.max_s * 3 <= wall
 
@@ -243,3 +247,10 @@ def test_back_to_back_samples_time_the_steady_state_step() -> None:
 def test_back_to_back_below_one_is_a_user_error() -> None:
     with pytest.raises(UserError, match="back-to-back"):
         time_steps(lambda: None, (), {}, steps=1, warmup=0, back_to_back=0)
+
+
+def test_a_step_the_host_dispatches_as_slowly_as_it_runs_is_host_bound() -> None:
+    """Host-bound: the median dispatch is 80% or more of the median time per step."""
+    assert StepTimes((1.0, 1.0, 1.2), (0.8, 0.9, 0.95)).host_bound
+    assert not StepTimes((1.0, 1.0, 1.2), (0.1, 0.2, 0.95)).host_bound
+    assert not StepTimes((1.0,)).host_bound  # timed one call at a time: nothing to say
