@@ -339,7 +339,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     for key in sorted(groups, key=lambda k: (-sum(r.bytes for r in groups[k]), k)):
         rs = groups[key]
         instances: list[Instance] = []
-        remat_s = 0.0
+        remat_s = keep_s = 0.0
         for r in rs:
             if r.stacked:
                 per = _stack_layer_bytes(an, r)
@@ -371,8 +371,9 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                 instances.append(ins)
                 contrib[ins.produced] += ins.bytes
                 contrib[ins.last_use + 1] -= ins.bytes
-            remat_s += recompute_s[id(r)] * max(r.layers, 1)
-            remat_s -= _stack_keep_s(an, r)
+            keep = _stack_keep_s(an, r)
+            remat_s += recompute_s[id(r)] * max(r.layers, 1) - keep
+            keep_s += keep
         r0 = rs[0]
         prod = _through_markers(r0.producer)
         movable = any(under_checkpoint(r) for r in rs) and (
@@ -393,7 +394,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
         candidates.append(Candidate(
             key=key, name=name, selector=selector, instances=tuple(instances), allowed=allowed,
-            remat_s=remat_s, source=_op_source(an, r0), shape=_instance_shape(r0),
+            remat_s=remat_s, keep_s=keep_s, source=_op_source(an, r0), shape=_instance_shape(r0),
             remat_fused=Action.REMAT in allowed and all(
                 r.layers <= 1 and _recomputed_op(r.producer).opcode in FUSIBLE for r in rs),
             in_loop=all(r.stacked and r.backward_loop is not None for r in rs),

@@ -84,9 +84,13 @@ class Candidate:
     #: Actions a JAX policy can express for this candidate.
     allowed: frozenset[Action] = frozenset({Action.DEVICE, Action.OFFLOAD})
     #: Extra compute seconds to recompute all instances (if REMAT is allowed), net of what keeping
-    #: them costs the step as lowered (a scanned residual's stack writes and reads): negative
-    #: where recomputing is cheaper than keeping.
+    #: them costs the step as lowered (``keep_s``): negative where recomputing is cheaper than keeping.
     remat_s: float = 0.0
+    #: Seconds the step as lowered (every residual saved) spends keeping the instances in device
+    #: memory for the backward pass: a scanned residual's stack write, the views before it and the
+    #: backward's slice. A plan that recomputes them (counted in ``remat_s``) or offloads them
+    #: (the stack then lives in host memory and the link moves it) does not spend them.
+    keep_s: float = 0.0
     #: Of ``remat_s``, the seconds the host's CPU computes (the optimizer update on the host:
     #: REMAT of the optimizer-state candidate); reports show them beside the device's compute.
     host_compute_s: float = 0.0

@@ -14,7 +14,8 @@ Model (times in seconds, steps run in schedule order)::
              produced   max(lfu, d2h done)        h2d start                 last_use
 
 * Step ``t`` takes ``duration_s`` plus, for remat, ``remat_s / len(instances)`` of each REMAT
-  candidate whose instance has its first backward use at ``t``. Step ``t`` *spans*
+  candidate whose instance has its first backward use at ``t``, less ``keep_s / len(instances)``
+  of each OFFLOAD candidate's there. Step ``t`` *spans*
   ``[S[t], S[t+1])``: a stall before step ``t+1`` belongs to step ``t``'s span.
 * **Offload (D2H)** of an instance starts when its producing step ends (or later, when all
   ``dma_engines`` D2H engines are busy: engines serve offloads first come first served in
@@ -200,8 +201,18 @@ def _interval_sum(T: int, lo: np.ndarray, hi: np.ndarray, w: np.ndarray) -> np.n
 
 
 def lower_bound_time(problem: Problem) -> float:
-    """Least step time any policy can reach: the sum of step durations (no remat, no stall)."""
-    return math.fsum(s.duration_s for s in problem.steps)
+    """Least step time any policy can reach: the sum of step durations (no stall), less what each
+    candidate's cheapest allowed action can take off it (recomputing or offloading a scanned
+    residual spares its stack's writes and reads, ``Candidate.keep_s``)."""
+    credit = 0.0
+    for c in problem.candidates:
+        gains = [0.0]
+        if Action.REMAT in c.allowed:
+            gains.append(-c.remat_s)
+        if Action.OFFLOAD in c.allowed:
+            gains.append(c.keep_s)
+        credit += max(gains)
+    return math.fsum(s.duration_s for s in problem.steps) - credit
 
 
 def lower_bound_peak(problem: Problem) -> int:
@@ -390,16 +401,22 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
     T = len(a.duration_s)
     code = _action_codes(problem, a, decisions)
 
-    # Remat: spread each candidate's remat_s over its instances, at their first backward use.
+    # Remat: spread each candidate's remat_s over its instances, at their first backward use;
+    # offload: likewise the keep_s its stack no longer costs the device.
     dur = a.duration_s.copy()
     remat = code == 2
-    if remat.any():
+    moved = (code == 1) & np.repeat(np.array([c.keep_s > 0 for c in problem.candidates], dtype=bool),
+                                    np.diff(a.starts))
+    if remat.any() or moved.any():
         per = np.zeros(len(a.bytes))
         for ci, c in enumerate(problem.candidates):
             lo, hi = a.starts[ci], a.starts[ci + 1]
             if hi > lo and code[lo] == 2:
                 per[lo:hi] = c.remat_s / (hi - lo)
-        np.add.at(dur, a.fbu[remat], per[remat])
+            elif hi > lo and code[lo] == 1:
+                per[lo:hi] = -c.keep_s / (hi - lo)
+        sel = remat | moved
+        np.add.at(dur, a.fbu[sel], per[sel])
         # remat_s is net of the stack writes and reads a kept scanned residual costs, so it can
         # be negative; a step is never shorter than nothing
         np.maximum(dur, 0.0, out=dur)

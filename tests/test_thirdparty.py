@@ -360,15 +360,17 @@ def check_plan_compiled(step: str, size: str, share: str, tmp_path: Any, *, tole
 
 @pytest.mark.slow
 @pytest.mark.tpu
-@pytest.mark.parametrize(("share", "offloads"), ci_sample([("85%", True), ("60%", False)], [("85%", True)]))
+@pytest.mark.parametrize(("share", "offloads"), ci_sample([("85%", False), ("60%", False)], [("85%", False)]))
 def test_levanter_llama_plan_applied_as_written_and_compiled(share: str, offloads: bool, tmp_path) -> None:
     """Levanter's Llama (haliax scan over 8 layers, batch 8 x 512) planned at a budget, the plan
     applied to the unmodified step with ``hloopt.use_plan``, the step compiled by libtpu: the
     offloads JAX emits are the planned ones (shape and count), the compiled peak is within the
     budget, and the memory model's figure for the planned step (``model_peak_bytes``) is within
-    3% of it. At 85% the searched rules offload the scan carries; at 60% JAX's ``dots_saveable``
-    fits with fewer FLOPs than any rules searched and is the plan (libtpu 0.0.42.1, jax 0.10.2:
-    +0.1% and -0.4%). The simulator's replay, which every policy is compared by, sits 15-22%
+    3% of it. At 85% and at 60% JAX's ``dots_saveable`` fits with fewer FLOPs than the rules
+    searched and is the plan (libtpu 0.0.42.1, jax 0.10.2). (At 85% the search offloaded the scan
+    carries while it timed a recomputation by its producer alone; timed by what it re-runs, net
+    of the stacks it spares, recomputing every layer replays faster than offloading, and that
+    needs more FLOPs than ``dots_saveable``.) The simulator's replay, which every policy is compared by, sits 15-22%
     above both: the plan's predicted peak is the model's figure."""
     plan = check_plan_compiled("levanter_llama", "small", share, tmp_path, tolerance=0.03)
     assert bool(plan.of("offload")) == offloads

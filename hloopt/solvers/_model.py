@@ -67,6 +67,7 @@ class Model:
     gap1: np.ndarray            # (I, 3) last freed step per action
     allowed: np.ndarray         # (C, 3) bool
     remat_s: np.ndarray         # (C,)
+    keep_s: np.ndarray          # (C,) what an offload spares the device (Candidate.keep_s)
     cand_inst: tuple[np.ndarray, ...]  # per candidate: its instance indices
     compute_s: float
 
@@ -131,13 +132,14 @@ class Model:
                 allowed[ci, a] = act in c.allowed
         allowed[:, DEV] = True
         remat = np.array([c.remat_s for c in cands], dtype=np.float64)
+        keep = np.array([c.keep_s for c in cands], dtype=np.float64)
         offsets = np.concatenate([[0], np.cumsum(counts)])
         cand_inst = tuple(np.arange(offsets[ci], offsets[ci + 1]) for ci in range(C))
         return Model(
             problem=problem, n_steps=T, n_cands=C, duration_s=dur, start_s=start, end_s=end,
             base_bytes=base, dev_bytes=dev, inst_cand=inst_cand, inst_bytes=ib, produced=prod, last_fwd=lfu,
             last_use=last, first_bwd=fbu, d2h_s=d2h_s, h2d_s=h2d_s, reload_release_s=release,
-            reload_deadline_s=deadline, late_s=late, gap0=gap0, gap1=gap1, allowed=allowed, remat_s=remat,
+            reload_deadline_s=deadline, late_s=late, gap0=gap0, gap1=gap1, allowed=allowed, remat_s=remat, keep_s=keep,
             cand_inst=cand_inst, compute_s=float(dur.sum()),
         )
 
@@ -169,9 +171,13 @@ class Model:
         return self.dev_bytes + np.cumsum(diff[:-1])
 
     def added_s(self) -> np.ndarray:
-        """(C, 3) modeled seconds each action adds on its own: recompute, or reload stalls."""
+        """(C, 3) modeled seconds each action adds on its own, as the search weighs them: the
+        compute a recomputation re-runs, or the reloads' stalls. Not net of the stack writes and
+        reads either move spares the device (``keep_s``, which the replay and the step time
+        count): the search moves a residual to meet the budget, and a recomputation weighed net
+        of them could look free, and be chosen, where it only adds FLOPs."""
         out = np.zeros((self.n_cands, 3))
-        out[:, REM] = self.remat_s
+        out[:, REM] = self.remat_s + self.keep_s
         out[:, OFF] = np.bincount(self.inst_cand, weights=self.late_s, minlength=self.n_cands)
         return out
 
@@ -279,5 +285,5 @@ class LinkEval:
             np.add.at(diff, g0[ok], -m.inst_bytes[rem][ok])
             np.add.at(diff, g1[ok] + 1, m.inst_bytes[rem][ok])
         tl += np.cumsum(diff[:-1])
-        remat_s = float(m.remat_s[choice == REM].sum())
+        remat_s = float(m.remat_s[choice == REM].sum()) - float(m.keep_s[choice == OFF].sum())
         return LinkEval(tl, shift, m.compute_s + remat_s + shift, off, d2h_end[off], plan_start[off], late[off])

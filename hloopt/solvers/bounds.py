@@ -7,8 +7,9 @@
   policy beats running every step once with no stall: :func:`~hloopt.simulator.lower_bound_time`).
   The relaxation: ``x[c, a]`` in [0, 1], one action per candidate; a REMAT instance is off device
   exactly on ``(last_forward_use, first_backward_use)`` and costs its share of ``remat_s``; an
-  OFFLOAD instance costs nothing and is off device on its *single-instance nominal gap* (its
-  copy out alone on the link, its reload alone, as late as possible: the widest a queue lets
+  OFFLOAD instance costs nothing but gives back its share of ``keep_s``, and is off device on
+  its *single-instance nominal gap* (its copy out alone on the link, its reload alone, as late
+  as possible: the widest a queue lets
   it be off in the stall-free timeline); every step whose all-device bytes exceed the budget
   must be brought under it. It is a bound of the nominal model: stalls that shift a reload's
   start into a later step could free a few more steps than the model grants.
@@ -88,7 +89,7 @@ def least_time_s(problem: Problem, *, budget_bytes: int | None = None, model=Non
     col, row = uk // nrow, uk % nrow
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = nx, nrow
-    lp.col_cost_ = np.where(cols_a == REM, m.remat_s[cols_c], 0.0)
+    lp.col_cost_ = np.where(cols_a == REM, m.remat_s[cols_c], np.where(cols_a == OFF, -m.keep_s[cols_c], 0.0))
     lp.col_lower_ = np.zeros(nx)
     lp.col_upper_ = np.ones(nx)
     lp.row_lower_ = np.concatenate([(m.dev_bytes[over] - budget_bytes).astype(np.float64),

@@ -130,7 +130,7 @@ def _cover(m: Model, choice: np.ndarray, target: np.ndarray, frozen: np.ndarray,
         cost = np.zeros((C, 3))
         rem_cov = (m.gap0[:, REM] <= p) & (p <= m.gap1[:, REM])
         gain[:, REM] = np.bincount(m.inst_cand, weights=m.inst_bytes * rem_cov, minlength=C)
-        cost[:, REM] = m.remat_s
+        cost[:, REM] = m.remat_s + m.keep_s  # as Model.added_s weighs it
         off_now = act == OFF
         ev_cov = np.zeros(len(act), dtype=bool)
         # Instances already offloaded: do they free p now?
@@ -181,7 +181,7 @@ def _added(m: Model, choice: np.ndarray, ev: LinkEval) -> np.ndarray:
     late: np.ndarray = np.zeros(m.n_cands)
     if len(ev.off):
         late = np.bincount(m.inst_cand[ev.off], weights=ev.late_s, minlength=m.n_cands)
-    return np.where(choice == REM, m.remat_s, np.where(choice == OFF, late, 0.0))
+    return np.where(choice == REM, m.remat_s + m.keep_s, np.where(choice == OFF, late, 0.0))
 
 
 class _RangeMin:
@@ -291,7 +291,7 @@ def _improve(m: Model, choice: np.ndarray, target: np.ndarray, ev: LinkEval, dea
             break
         frozen[ci, 0] = True
         trial = choice.copy()
-        trial[ci] = REM if m.allowed[ci, REM] and m.remat_s[ci] < late[ci] else DEV
+        trial[ci] = REM if m.allowed[ci, REM] and m.remat_s[ci] + m.keep_s[ci] < late[ci] else DEV
         ok, _ = _cover(m, trial, target, frozen, deadline_s)
         if not ok:
             continue
