@@ -167,17 +167,12 @@ def test_emit_hlo_annotates_the_planned_module(tmp_path) -> None:  # type: ignor
 
 
 def _offloading_plan():  # type: ignore[no-untyped-def]
-    """llama small at 98% on the tpu-v5e profile with a free host link: moving a scanned
-    residual's stack to the host then costs nothing and spares the device its writes, so the
-    plan offloads (on the real link it recomputes instead, which the model has cheaper than
-    keeping those stacks)."""
-    import dataclasses
+    """The plan tests/test_auto_offload.py applies: llama tiny (8 layers, batch 16 x 256) halfway
+    between its least and all-saved peaks on the tpu-v5e profile with a free host link, which
+    offloads (on the real link the model has recomputing cheaper than the moves)."""
+    from tests.test_auto_offload import offloaded
 
-    from hloopt import pipeline
-
-    free = dataclasses.replace(PROFILE, name="tpu-v5e-free-link", transfer_latency_s=0.0, d2h_bytes_per_s=1e15,
-                               h2d_bytes_per_s=1e15, duplex_d2h_bytes_per_s=1e15, duplex_h2d_bytes_per_s=1e15)
-    return pipeline.plan("fixtures/zoo/llama.py:small", profile=free, budget="98%").plan
+    return offloaded()[2]
 
 
 # -- against libtpu ---------------------------------------------------------------------------------
