@@ -806,14 +806,14 @@ def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, floa
     residuals is shared among them in equal parts, so that recomputing all of them costs each op
     once (full rematerialization: the forward again), and recomputing one costs its own chain
     and a share of the rest."""
-    from hloopt.passes.residuals import _static_values, static_values_of
+    from hloopt.passes.residuals import _static_values, ancestors_of, static_values_of
 
     producers = {_recomputed_op(r.producer) for r in an.residuals}
     entry = an.module.entry
     assert entry is not None
     entry_static = _static_values(entry.instructions)
     static_by_loop: dict[int, set[Instruction]] = {}
-    entry_needed = _ancestors_of([an.residuals.loss])
+    entry_needed = ancestors_of([an.residuals.loss])
     needed_by_loop: dict[int, set[Instruction]] = {}
     stacks: dict[int, set[int]] = {}  # forward loop -> its tuple elements that are residual stacks
     for r in an.residuals:
@@ -833,7 +833,7 @@ def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, floa
                 root = loop.called["body"][0].root
                 outs = [o for k, o in enumerate(root.operands) if k not in stacks.get(id(loop), set())] \
                     if root.opcode == "tuple" else [root]
-                needed = needed_by_loop[id(loop)] = _ancestors_of(outs)
+                needed = needed_by_loop[id(loop)] = ancestors_of(outs)
         else:
             static, needed = entry_static, entry_needed
         seen = {start}
@@ -864,19 +864,6 @@ def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, floa
             if inst.name in an.cost.per_instruction:
                 total += an.cost.seconds(inst) / shared[inst]
         out[id(r)] = total
-    return out
-
-
-def _ancestors_of(outputs: Iterable[Instruction]) -> set[Instruction]:
-    """``outputs`` and every instruction they read, transitively, in their computation."""
-    out: set[Instruction] = set()
-    todo = list(outputs)
-    while todo:
-        inst = todo.pop()
-        if inst in out:
-            continue
-        out.add(inst)
-        todo.extend(inst.operands)
     return out
 
 

@@ -650,8 +650,13 @@ def _pick_loss(entry: Computation, loss_output: int | None, module: Module) -> I
 
 
 def _ancestors(inst: Instruction) -> set[Instruction]:
+    return ancestors_of([inst])
+
+
+def ancestors_of(outputs: Iterable[Instruction]) -> set[Instruction]:
+    """``outputs`` and every instruction they read, transitively, in their computation."""
     seen: set[Instruction] = set()
-    stack = [inst]
+    stack = list(outputs)
     while stack:
         i = stack.pop()
         if i in seen:

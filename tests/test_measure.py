@@ -37,14 +37,14 @@ def test_kendall_tau_hand_computed() -> None:
     assert _kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
 
 
-def test_time_steps_counts_and_brackets_a_known_sleep() -> None:
-    """A step that sleeps 20 ms on the host (pure_callback): every timed step takes at least that,
-    there are exactly N of them, and together they fit in the wall time around the call."""
+def _sleepy_step():  # type: ignore[no-untyped-def]
+    """A jitted step that sleeps 20 ms on the host (pure_callback), compiled and run once; the
+    list its calls append to (emptied)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    calls = []
+    calls: list[int] = []
 
     def sleepy(x: np.ndarray) -> np.ndarray:
         calls.append(1)
@@ -55,6 +55,13 @@ def test_time_steps_counts_and_brackets_a_known_sleep() -> None:
     x = jnp.ones((4,))
     jax.block_until_ready(f(x))
     calls.clear()
+    return f, x, calls
+
+
+def test_time_steps_counts_and_brackets_a_known_sleep() -> None:
+    """A step that sleeps 20 ms on the host (pure_callback): every timed step takes at least that,
+    there are exactly N of them, and together they fit in the wall time around the call."""
+    f, x, calls = _sleepy_step()
     t0 = time.perf_counter()
     st = time_steps(f, (x,), {}, steps=5, warmup=2)
     wall = time.perf_counter() - t0
@@ -221,20 +228,7 @@ def test_back_to_back_samples_time_the_steady_state_step() -> None:
     finishing over the 3 between them. The CPU backend runs independent calls at once (a device
     runs them in order), so two in flight finish a call per 10 ms at best; a queue that held more
     would go faster."""
-    import jax
-    import jax.numpy as jnp
-
-    calls = []
-
-    def sleepy(x):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        time.sleep(0.02)
-        return x
-
-    f = jax.jit(lambda x: jax.pure_callback(sleepy, jax.ShapeDtypeStruct(x.shape, x.dtype), x) + 1)
-    x = jnp.ones((4,))
-    jax.block_until_ready(f(x))
-    calls.clear()
+    f, x, calls = _sleepy_step()
     t0 = time.perf_counter()
     st = time_steps(f, (x,), {}, steps=3, warmup=1, back_to_back=4)
     wall = time.perf_counter() - t0
