@@ -38,6 +38,10 @@ def test_a_policys_planned_time_is_the_time_of_the_step_lowered_with_it(spec: st
     from hloopt.simulator import simulate
     from hloopt.targets import resolve
 
+    if "thirdparty" in spec:
+        from tests.test_thirdparty import load
+
+        load(spec.split("/")[-1].split(".py")[0])  # its library, or the skip test_thirdparty.py gives
     target = resolve(spec, size=size)
 
     def lowered_seconds(policy: object) -> float:
