@@ -798,14 +798,13 @@ def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, floa
     a dropout mask is a ``select`` over the output of the threefry hash of its key, dozens of
     integer ops; an attention probability needs its scores. So a residual's recomputation is
     what of its cone the forward pass needs anyway: its producer and the producer's operands,
-    transitively, up to the producers of
-    residuals (which the plan saves, or recomputes at their own cost), loop state and
-    parameters, constants, the ops that open loops and calls, and static values (weights and
-    what is cheap to derive from them, passes/residuals.py: a scan's slice of its stacked
-    weights, a weight's cast, which the backward pass computes whatever is saved). An op in the cones of several
-    residuals is shared among them in equal parts, so that recomputing all of them costs each op
-    once (full rematerialization: the forward again), and recomputing one costs its own chain
-    and a share of the rest."""
+    transitively, up to the producers of residuals (which the plan saves, or recomputes at their
+    own cost), loop state and parameters, constants, the ops that open loops and calls, and
+    static values (weights and what is cheap to derive from them, passes/residuals.py: a scan's
+    slice of its stacked weights, a weight's cast, which the backward pass computes whatever is
+    saved). An op in the cones of several residuals is shared among them in equal parts, so that
+    recomputing all of them costs each op once (full rematerialization: the forward again), and
+    recomputing one costs its own chain and a share of the rest."""
     from hloopt.passes.residuals import _static_values, ancestors_of, static_values_of
 
     producers = {_recomputed_op(r.producer) for r in an.residuals}
@@ -843,8 +842,7 @@ def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, floa
             inst = todo.pop()
             cone.append(inst)
             for o in inst.operands:
-                if o in seen or o in producers or o in static or o.opcode in _RECOMPUTE_SOURCES \
-                        or _through_markers(o) in producers:
+                if o in seen or o in static or o.opcode in _RECOMPUTE_SOURCES or _through_markers(o) in producers:
                     continue
                 if o.opcode == "get-tuple-element" and _through_markers(o.operands[0]).opcode in (
                         "parameter", "while", "call", "conditional"):
@@ -857,14 +855,12 @@ def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, floa
         cones[id(r)] = cone
         for inst in cone:
             shared[inst] = shared.get(inst, 0) + 1
-    out: dict[int, float] = {}
-    for r in residuals:
-        total = 0.0
-        for inst in cones[id(r)]:
-            if inst.name in an.cost.per_instruction:
-                total += an.cost.seconds(inst) / shared[inst]
-        out[id(r)] = total
-    return out
+    return {id(r): sum(_seconds(an, inst) / shared[inst] for inst in cones[id(r)]) for r in residuals}
+
+
+def _seconds(an: Analyzed, inst: Instruction) -> float:
+    """The cost model's seconds for one execution of ``inst`` (0 for what it does not time)."""
+    return an.cost.seconds(inst) if inst.name in an.cost.per_instruction else 0.0
 
 
 def _stack_keep_s(an: Analyzed, r: Any) -> float:
@@ -880,40 +876,40 @@ def _stack_keep_s(an: Analyzed, r: Any) -> float:
 
     if not r.stacked or r.inst.opcode != "get-tuple-element" or r.forward_loop is None:
         return 0.0
-    k = r.inst.tuple_index
-    root = r.forward_loop.called["body"][0].root
     total = 0.0
+    root = r.forward_loop.called["body"][0].root
+    k = r.inst.tuple_index
     if root.opcode == "tuple" and k < len(root.operands) and root.operands[k].opcode == "dynamic-update-slice":
         dus = root.operands[k]
-        fwd = an.cost.seconds(dus)
-        # the views and checkpoint_name marker between the value and the stack write, there
+        # with the views and checkpoint_name marker between the value and the stack write, there
         # only to save it
+        fwd = _seconds(an, dus)
         v = dus.operands[1] if len(dus.operands) > 1 else None
         while v is not None and v.opcode in _MARKERS and len(v.users) == 1 and v.operands:
-            fwd += an.cost.seconds(v) if v.name in an.cost.per_instruction else 0.0
+            fwd += _seconds(an, v)
             v = v.operands[0]
         total += fwd * (trip_count(r.forward_loop) or r.layers)
     bl = r.backward_loop
     if bl is not None and bl.operands and bl.operands[0].opcode == "tuple":
-        body = bl.called["body"][0]
         trips = trip_count(bl) or r.layers
-        for j, o in enumerate(bl.operands[0].operands):
-            if o is not r.inst:
-                continue
-            for param in body.parameters:
-                for g in param.users:
-                    if g.opcode == "get-tuple-element" and g.tuple_index == j:
-                        for u in g.users:
-                            if u.opcode != "dynamic-slice" or u.operands[0] is not g:
-                                continue
-                            bwd = an.cost.seconds(u)
-                            # and the views that take the stack's slice back to the value's shape
-                            v = u
-                            while len(v.users) == 1 and v.users[0].opcode in _MARKERS:
-                                v = v.users[0]
-                                bwd += an.cost.seconds(v) if v.name in an.cost.per_instruction else 0.0
-                            total += trips * bwd
+        for u in _stack_reads(bl, r.inst):
+            # with the views that take the stack's slice back to the value's shape
+            bwd = _seconds(an, u)
+            while len(u.users) == 1 and u.users[0].opcode in _MARKERS:
+                u = u.users[0]
+                bwd += _seconds(an, u)
+            total += trips * bwd
     return total
+
+
+def _stack_reads(loop: Instruction, stack: Instruction) -> list[Instruction]:
+    """The ``dynamic-slice`` instructions of ``loop``'s body that read ``stack``, an element of the
+    tuple the loop starts from."""
+    elements = {j for j, o in enumerate(loop.operands[0].operands) if o is stack}
+    body = loop.called["body"][0]
+    return [u for param in body.parameters for g in param.users
+            if g.opcode == "get-tuple-element" and g.tuple_index in elements
+            for u in g.users if u.opcode == "dynamic-slice" and u.operands[0] is g]
 
 
 def _stack_start(an: Analyzed, r: Any, smap: StepMap, *, default: int) -> int:

@@ -93,6 +93,9 @@ class _Arrays:
     remat_transient: np.ndarray  # bool [N]
     #: per instance: its candidate is an argument group (``Candidate.state``)
     state: np.ndarray  # bool [N]
+    #: per instance: its share of its candidate's ``remat_s`` and ``keep_s``
+    remat_share_s: np.ndarray  # float64 [N]
+    keep_share_s: np.ndarray  # float64 [N]
     #: Row ranges of each candidate in the flat arrays.
     starts: np.ndarray  # int64 [C+1]
     key_index: dict[str, int]
@@ -128,6 +131,10 @@ def _arrays(problem: Problem) -> _Arrays:
         remat_transient=np.fromiter((problem.candidates[r[0]].remat_transient for r in rows), dtype=bool,
                                     count=len(rows)),
         state=np.fromiter((problem.candidates[r[0]].state is not None for r in rows), dtype=bool, count=len(rows)),
+        remat_share_s=np.fromiter((problem.candidates[r[0]].remat_s / len(problem.candidates[r[0]].instances)
+                                   for r in rows), dtype=np.float64, count=len(rows)),
+        keep_share_s=np.fromiter((problem.candidates[r[0]].keep_s / len(problem.candidates[r[0]].instances)
+                                  for r in rows), dtype=np.float64, count=len(rows)),
         starts=starts,
         key_index={c.key: i for i, c in enumerate(problem.candidates)},
     )
@@ -404,18 +411,9 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
     # Remat: spread each candidate's remat_s over its instances, at their first backward use;
     # offload: likewise the keep_s its stack no longer costs the device.
     dur = a.duration_s.copy()
-    remat = code == 2
-    moved = (code == 1) & np.repeat(np.array([c.keep_s > 0 for c in problem.candidates], dtype=bool),
-                                    np.diff(a.starts))
-    if remat.any() or moved.any():
-        per = np.zeros(len(a.bytes))
-        for ci, c in enumerate(problem.candidates):
-            lo, hi = a.starts[ci], a.starts[ci + 1]
-            if hi > lo and code[lo] == 2:
-                per[lo:hi] = c.remat_s / (hi - lo)
-            elif hi > lo and code[lo] == 1:
-                per[lo:hi] = -c.keep_s / (hi - lo)
-        sel = remat | moved
+    per = np.where(code == 2, a.remat_share_s, np.where(code == 1, -a.keep_share_s, 0.0))
+    sel = per != 0.0
+    if sel.any():
         np.add.at(dur, a.fbu[sel], per[sel])
         # remat_s is net of the stack writes and reads a kept scanned residual costs, so it can
         # be negative; a step is never shorter than nothing

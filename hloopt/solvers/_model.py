@@ -285,5 +285,6 @@ class LinkEval:
             np.add.at(diff, g0[ok], -m.inst_bytes[rem][ok])
             np.add.at(diff, g1[ok] + 1, m.inst_bytes[rem][ok])
         tl += np.cumsum(diff[:-1])
-        remat_s = float(m.remat_s[choice == REM].sum()) - float(m.keep_s[choice == OFF].sum())
-        return LinkEval(tl, shift, m.compute_s + remat_s + shift, off, d2h_end[off], plan_start[off], late[off])
+        # as the replay times it: recomputation net of the stacks it spares, and offloads' spared stacks
+        added = float(m.remat_s[choice == REM].sum()) - float(m.keep_s[choice == OFF].sum())
+        return LinkEval(tl, shift, m.compute_s + added + shift, off, d2h_end[off], plan_start[off], late[off])
