@@ -18,9 +18,13 @@ which is what the simulator predicts). We report
   ``/proc/self/clear_refs``): on the CPU backend this is where the step's buffers live;
 * the compiled step's ``memory_analysis()`` temporaries, XLA's own figure for the policy;
 
-next to what the one simulator predicts (:func:`hloopt.simulator.simulate` over the Problem that
-``hloopt plan`` builds, so the same numbers as its anchors table), and each row's rank by time under
-both. ``peak_bytes_in_use`` counts from process start and cannot be reset from JAX, so rows run in
+next to what hloopt predicts for the step JAX lowers with that policy
+(:func:`hloopt.pipeline.judge_lowered`: the memory model's peak of that module, and the one
+simulator's time for its compute and every value it moves to host memory), and each row's rank by
+time under both. The planner's own figure (the replay of the policy's rules on the all-saved step's
+residuals, :mod:`hloopt.anchors`: the plan's prediction and ``hloopt plan``'s anchors table) is
+reported beside it (``replayed``): a policy can keep values the all-saved step never keeps, and
+then moves other bytes than its replay. ``peak_bytes_in_use`` counts from process start and cannot be reset from JAX, so rows run in
 order of increasing predicted peak and a row whose reading did not rise is marked as not its own.
 
 Arguments that are ``jax.ShapeDtypeStruct`` are materialized (floats from a normal distribution with
@@ -93,6 +97,11 @@ class PolicyRow:
     code: str
     predicted_step_time_s: float
     predicted_peak_bytes: int
+    #: the planner's figure: the replay of the policy on the all-saved step (the plan's own
+    #: prediction for the plan row)
+    replayed_step_time_s: float | None = None
+    #: bytes the step lowered with the policy moves to host memory per step
+    predicted_host_bytes: int = 0
     #: None when the row was not run (``skipped``) or failed (``error``)
     measured: StepTimes | None = None
     #: ``peak_bytes_in_use`` after the row ran; None where the backend has no memory stats
@@ -141,7 +150,8 @@ class Measurement:
             rows.append({
                 "name": r.name, "kind": r.kind, "code": r.code,
                 "predicted": {"step_time_s": r.predicted_step_time_s, "peak_bytes": r.predicted_peak_bytes,
-                              "rank": r.predicted_rank},
+                              "host_bytes": r.predicted_host_bytes, "rank": r.predicted_rank,
+                              "replayed_step_time_s": r.replayed_step_time_s},
                 "measured": None if m is None else {
                     "step_time_s": {"median": m.median_s, "min": m.min_s, "max": m.max_s, "q1": m.q1_s,
                                     "q3": m.q3_s},
@@ -298,6 +308,8 @@ class _Candidate:
     policy: Any
     predicted_step_time_s: float
     predicted_peak_bytes: int
+    replayed_step_time_s: float | None = None
+    predicted_host_bytes: int = 0
 
 
 def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: str = "builtin",
@@ -320,7 +332,7 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     import jax
 
     from hloopt.anchors import ANCHORS, expressible, policy_object
-    from hloopt.pipeline import analyze_target, resolve_budget
+    from hloopt.pipeline import analyze_target, judge_lowered, resolve_budget
     from hloopt.problem import Decisions
     from hloopt.simulator import simulate
     from hloopt.targets import Target, resolve
@@ -352,18 +364,22 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     else:
         budget_bytes = None
 
+    def judged(name: str, kind: str, code: str, pol: Any, replayed_s: float) -> _Candidate:
+        with prog(f"lowering {tgt.name} with {name}"):
+            j = judge_lowered(tgt, pol, profile, compile=compile)
+        return _Candidate(name, kind, code, pol, j.step_time_s, j.peak_bytes, replayed_s, j.host_bytes)
+
     cands: list[_Candidate] = []
     if plan_obj is not None:
-        cands.append(_Candidate("plan", "plan", f"hloopt.emit.policy({plan_obj.target!r} plan)",
-                                plan_policy(plan_obj), plan_obj.predicted.step_time_s,
-                                plan_obj.predicted.peak_bytes))
+        cands.append(judged("plan", "plan", f"hloopt.emit.policy({plan_obj.target!r} plan)",
+                            plan_policy(plan_obj), plan_obj.predicted.step_time_s))
     names = frozenset(c.name for c in problem.candidates if c.name)
     if policies == "builtin":
         for a in ANCHORS:
             if not expressible(a, problem):
                 continue
             r = simulate(problem, a.decisions(problem))
-            cands.append(_Candidate(a.name, a.kind, a.code, policy_object(a, names), r.step_time_s, r.peak_bytes))
+            cands.append(judged(a.name, a.kind, a.code, policy_object(a, names), r.step_time_s))
 
     dev = jax.devices()[0]
     if back_to_back is None:
@@ -382,7 +398,9 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     for c in sorted(cands, key=lambda c: (c.predicted_peak_bytes, c.name)):
         base: dict[str, Any] = dict(name=c.name, kind=c.kind, code=c.code,
                                     predicted_step_time_s=c.predicted_step_time_s,
-                                    predicted_peak_bytes=c.predicted_peak_bytes)
+                                    predicted_peak_bytes=c.predicted_peak_bytes,
+                                    replayed_step_time_s=c.replayed_step_time_s,
+                                    predicted_host_bytes=c.predicted_host_bytes)
         if budget_bytes is not None and c.kind != "plan" and c.predicted_peak_bytes > budget_bytes:
             rows.append(PolicyRow(**base, skipped=f"predicted peak {c.predicted_peak_bytes} B is over the "
                                                   f"budget {budget_bytes} B"))

@@ -298,14 +298,21 @@ def _tuple_element(inst: Instruction) -> Instruction | None:
 
 @gc_paused()
 def build_problem(an: Analyzed, profile: DeviceProfile, *,
-                  prefetch_window_steps: int | None = None) -> tuple[Problem, StepMap]:
-    """Turn an analyzed module into the simulator's and solvers' :class:`Problem`."""
+                  prefetch_window_steps: int | None = None, moved: bool = False) -> tuple[Problem, StepMap]:
+    """Turn an analyzed module into the simulator's and solvers' :class:`Problem`.
+
+    ``moved``: the module already moves residuals to host memory (a step lowered with an
+    offloading policy); each becomes a candidate that can only be OFFLOAD (:data:`MOVED_PREFIX`
+    keys, :func:`as_lowered`), so that the simulator times its transfers against the module's
+    compute. The analyzed timeline already counts what the module keeps of them on device, so
+    they take nothing off the base: only such a Problem's times are the module's, not its peaks
+    (:func:`judge_lowered` takes the peak from the analysis)."""
     from hloopt.passes.opcodes import FUSIBLE
 
     module = an.module
     entry = module.entry
     assert entry is not None
-    residuals = [r for r in an.residuals if not r.offloaded and r.bytes > 0]
+    residuals = [r for r in an.residuals if (moved or not r.offloaded) and r.bytes > 0]
     expand: dict[int, int] = {}
     for r in residuals:
         if r.stacked:
@@ -328,7 +335,11 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     smap = StepMap(first, count)
 
     groups = candidate_groups(residuals)
-    recompute_s = _recompute_seconds(an, residuals)
+    on_host = {id(r) for r in residuals if r.offloaded}
+    for r in residuals:
+        if r.offloaded:
+            groups.setdefault(MOVED_PREFIX + relative_key(r.key), []).append(r)
+    recompute_s = _recompute_seconds(an, [r for r in residuals if not r.offloaded])
 
     import numpy as np
 
@@ -358,6 +369,8 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                         stack_end = last_use
                     ins = Instance(per, produced, produced, max(fbu, produced), max(last_use, fbu, produced))
                     instances.append(ins)
+                    if id(r) in on_host:
+                        continue
                     # The base leaves out the whole stack while XLA holds it (see the docstring).
                     contrib[min(stack_start, ins.produced)] += ins.bytes
                     contrib[max(stack_end, ins.last_use) + 1] -= ins.bytes
@@ -369,12 +382,22 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                 last_use = max(smap.last(last), fbu)
                 ins = Instance(nbytes, produced, max(lfu, produced), max(fbu, produced), max(last_use, produced))
                 instances.append(ins)
-                contrib[ins.produced] += ins.bytes
-                contrib[ins.last_use + 1] -= ins.bytes
+                if id(r) not in on_host:
+                    contrib[ins.produced] += ins.bytes
+                    contrib[ins.last_use + 1] -= ins.bytes
+            if id(r) in on_host:
+                continue
             keep = _stack_keep_s(an, r)
             remat_s += recompute_s[id(r)] * max(r.layers, 1) - keep
             keep_s += keep
         r0 = rs[0]
+        if key.startswith(MOVED_PREFIX):
+            candidates.append(Candidate(
+                key=key, name=r0.name, selector=f"moved to host memory as lowered ({r0.source_text or '?'})",
+                instances=tuple(instances), allowed=frozenset({Action.OFFLOAD}), source=_op_source(an, r0),
+                shape=_instance_shape(r0), in_loop=all(r.stacked and r.backward_loop is not None for r in rs),
+                primitive=_selector_primitive(r0)))
+            continue
         prod = _through_markers(r0.producer)
         movable = any(under_checkpoint(r) for r in rs) and (
             bool(r0.name) or policy_selectable(_selector_primitive(r0)))
@@ -415,6 +438,57 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         prefetch_window_steps=prefetch_window_steps, device=profile.name, notes=notes,
     )
     return problem, smap
+
+
+#: Key prefix of a candidate the module already moves to host memory (``build_problem(moved=True)``).
+MOVED_PREFIX = "moved:"
+
+
+def as_lowered(problem: Problem) -> Decisions:
+    """The decisions that replay a module as it was lowered: what it moves to host memory is
+    OFFLOAD (``build_problem(moved=True)``), everything else as the module keeps it."""
+    return Decisions({c.key: Action.OFFLOAD for c in problem.candidates if c.key.startswith(MOVED_PREFIX)})
+
+
+@dataclass(frozen=True)
+class LoweredJudgment:
+    """A policy judged on the step JAX lowers with it (:func:`judge_lowered`)."""
+
+    #: the memory model's peak of that module (``hloopt analyze``'s figure)
+    peak_bytes: int
+    #: the simulator's step time: the module's compute, its transfers to and from host memory
+    step_time_s: float
+    #: of which waiting on the host link
+    exposed_transfer_s: float
+    #: FLOPs with loop trip counts (CostAnalysis)
+    flops: float
+    #: bytes the module moves to host memory per step, by JAX's shapes (each ``pinned_host`` value
+    #: times its layers; the transfers are timed on the bytes as stored, TPU tiles included)
+    host_bytes: int
+
+
+def judge_lowered(tgt: Any, policy: Any, profile: DeviceProfile, *, platform: str | None = None,
+                  compile: str | None = None) -> LoweredJudgment:
+    """Lower ``tgt`` with ``policy`` and judge that module: its peak by the memory model, its time
+    by the simulator replaying it as lowered (its compute, every value it offloads moved over the
+    link and back).
+
+    A replay of a policy's rules on the all-saved step's residuals (:mod:`hloopt.anchors`) can only
+    save, offload or recompute those residuals; a policy that saves a value the all-saved step
+    never keeps (a projection's output before the rotary embedding that reads it) moves other
+    bytes than the replay does. Lowering with the policy sees what JAX does with it. ``compile``
+    (``cpu``, ``tpu-v5e``...): judge the compiler's scheduled module instead."""
+    from hloopt.ir import STORAGE_BITS
+    from hloopt.simulator import simulate
+
+    module, source = lower_for_plan(tgt, profile, platform=platform, base_policy=policy, compile=compile)
+    an = analyze_module(module, profile, source=source)
+    problem, _ = build_problem(an, profile, moved=True)
+    r = simulate(problem, as_lowered(problem))
+    return LoweredJudgment(peak_bytes=int(an.peak_bytes), step_time_s=r.step_time_s,
+                           exposed_transfer_s=r.exposed_transfer_s, flops=float(an.cost.totals.flops),
+                           host_bytes=sum((r.shape.num_elements * STORAGE_BITS[r.shape.element_type] + 7) // 8
+                                          for r in an.residuals if r.offloaded))
 
 
 def _group_of(op_name: str, groups: Sequence[Any]) -> Any:

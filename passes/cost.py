@@ -35,6 +35,11 @@ Time of an instruction (roofline)::
     seconds = max((flops + transcendentals) / flops_per_s(dtype), bytes / hbm_bytes_per_s,
                   collective_bytes / interconnect_bytes_per_s) / efficiency(op_class) + per_op_overhead_s
 
+A move between device and host memory (:func:`~hloopt.passes.opcodes.is_host_transfer`: JAX's
+``annotate_device_placement`` markers, a compiled module's copies to or from ``S(5)``) keeps its
+bytes but takes no time here: it runs on the DMA engines beside the compute, at the host link's
+rate, and the simulator times it as a transfer.
+
 ``efficiency`` is the profile's fitted share of the roofline that ops of the class reach
 (``compute_efficiency``, from ``hloopt calibrate --profile``; 1.0 where not fitted, as in every
 built-in profile).
@@ -62,7 +67,7 @@ from hloopt.errors import UserError
 from hloopt.ir import Computation, Instruction, Module, Shape
 from hloopt.passes import Analysis, AnalysisManager
 from hloopt.passes.loops import trip_count
-from hloopt.passes.opcodes import COLLECTIVES, ELEMENTWISE, TRANSCENDENTAL
+from hloopt.passes.opcodes import COLLECTIVES, ELEMENTWISE, TRANSCENDENTAL, is_host_transfer
 
 __all__ = ["Cost", "InstructionCost", "CostResult", "CostAnalysis", "trip_count", "dot_flops", "convolution_flops",
            "op_class"]
@@ -489,6 +494,8 @@ class _Visitor:
             # Unknown work (XLA reports -1); count its bytes so its time is not zero.
             pass
         c = Cost(flops, trans, nbytes, coll)
+        if is_host_transfer(inst):
+            return c.with_seconds(0.0)  # the link's time, not the compute stream's (module docstring)
         return c.with_seconds(self._roofline(c, dtype, inst))
 
     # -- fusion --------------------------------------------------------------------------------

@@ -72,6 +72,23 @@ def is_identity_call(inst: Instruction) -> bool:
     return inst.opcode == "custom-call" and inst.custom_call_target in IDENTITY_CALLS
 
 
+#: custom-calls that say which memory a value lives in (JAX's offload and reload markers); XLA's
+#: host offloader turns them into DMA copies, or into a stack written in host memory
+PLACEMENT_CALLS = frozenset({"annotate_device_placement"})
+
+
+def is_host_transfer(inst: Instruction) -> bool:
+    """A move between device and host memory: a placement marker (pre-optimization), or an
+    asynchronous copy to or from host memory (``S(5)``, compiled). Its time is the host link's,
+    on DMA engines beside the compute, not an op of the compute stream."""
+    if inst.opcode == "custom-call":
+        return inst.custom_call_target in PLACEMENT_CALLS
+    if inst.opcode in ASYNC_COPIES:
+        return any(s.on_host for _, s in inst.shape.leaves() if s.is_array) or any(
+            s.on_host for o in inst.operands for _, s in o.shape.leaves() if s.is_array)
+    return False
+
+
 #: the ends of a ``shard_map`` body in text lowered with Shardy (JAX's default partitioner): a
 #: tuple of each operand's per-device shard (``GlobalToLocalShape``) and of each result's global
 #: array (``LocalToGlobalShape``). Once partitioned both are the operands themselves: element k of
@@ -93,5 +110,5 @@ def is_elementwise_dot(inst: Instruction) -> bool:
 
 
 __all__ = ["ASYNC_COPIES", "BARRIERS", "COLLECTIVES", "CONTROL_FLOW", "ELEMENTWISE", "FUSIBLE", "IDENTITY_CALLS",
-           "SHARD_MAP_BOUNDARIES", "TRANSCENDENTAL", "TUPLE_OPS", "VIEWS", "is_elementwise_dot", "is_identity_call",
-           "is_shard_map_boundary"]
+           "PLACEMENT_CALLS", "SHARD_MAP_BOUNDARIES", "TRANSCENDENTAL", "TUPLE_OPS", "VIEWS", "is_elementwise_dot",
+           "is_host_transfer", "is_identity_call", "is_shard_map_boundary"]

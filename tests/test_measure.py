@@ -97,8 +97,8 @@ def mlp_measured():  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 def test_builtin_policies_run_and_rank(mlp_measured) -> None:  # type: ignore[no-untyped-def]
-    from hloopt.anchors import ANCHORS, expressible
-    from hloopt.pipeline import analyze_target, run_anchors
+    from hloopt.anchors import ANCHORS, expressible, policy_object
+    from hloopt.pipeline import analyze_target, judge_lowered, run_anchors
     from hloopt.targets import resolve
 
     m = mlp_measured
@@ -116,11 +116,16 @@ def test_builtin_policies_run_and_rank(mlp_measured) -> None:  # type: ignore[no
     assert sorted(r.measured_rank for r in ran) == list(range(1, len(ran) + 1))
     fastest = min(ran, key=lambda r: r.measured.median_s)
     assert fastest.measured_rank == 1
-    # the predictions are the anchors table of `hloopt plan` (one simulator)
+    # the predictions are each policy's lowered step judged by the one memory model and simulator;
+    # the replay beside them is `hloopt plan`'s anchors table
     anchors = {a.name: a for a in run_anchors(problem)}
+    by_name = {a.name: a for a in ANCHORS}
+    names = frozenset(c.name for c in problem.candidates if c.name)
     for r in m.rows:
-        assert r.predicted_step_time_s == anchors[r.name].step_time_s
-        assert r.predicted_peak_bytes == anchors[r.name].peak_bytes
+        j = judge_lowered(resolve(MLP), policy_object(by_name[r.name], names), load_profile("tpu-v5e"))
+        assert (r.predicted_step_time_s, r.predicted_peak_bytes, r.predicted_host_bytes) == (
+            j.step_time_s, j.peak_bytes, j.host_bytes)
+        assert r.replayed_step_time_s == anchors[r.name].step_time_s
     assert m.platform == "cpu" and m.device_peak_note and "None" in m.device_peak_note
     assert all(r.device_peak_bytes is None for r in ran)
     assert all(r.host_peak_rss_bytes and r.host_peak_rss_bytes > 0 for r in ran)
@@ -170,7 +175,7 @@ def test_cli_json_schema_is_stable() -> None:
     assert any("predictions use tpu-v5e" in n for n in d["notes"])
     for row in d["rows"]:
         assert set(row) == {"name", "kind", "code", "predicted", "measured", "skipped", "error"}
-        assert set(row["predicted"]) == {"step_time_s", "peak_bytes", "rank"}
+        assert set(row["predicted"]) == {"step_time_s", "peak_bytes", "host_bytes", "rank", "replayed_step_time_s"}
         assert set(row["measured"]) == {"step_time_s", "times_s", "device_peak_bytes", "device_peak_is_own",
                                         "host_peak_rss_bytes", "compiled_temp_bytes", "rank", "dispatch_s",
                                         "host_bound"}
@@ -208,14 +213,17 @@ def test_plan_row_carries_the_plans_prediction_and_runs_its_policy(tmp_path: Pat
     assert d["profile"] == "tpu-v5e" and d["budget_bytes"] == plan.budget.bytes
     rows = {r["name"]: r for r in d["rows"]}
     assert rows["plan"]["kind"] == "plan"
-    assert rows["plan"]["predicted"]["step_time_s"] == plan.predicted.step_time_s
-    assert rows["plan"]["predicted"]["peak_bytes"] == plan.predicted.peak_bytes
+    # predicted: the plan's policy lowered and judged (the model's peak is the plan's own figure
+    # for that module); replayed: the plan's prediction
+    assert rows["plan"]["predicted"]["replayed_step_time_s"] == plan.predicted.step_time_s
+    assert rows["plan"]["predicted"]["peak_bytes"] == plan.predicted.model_peak_bytes
+    assert rows["plan"]["predicted"]["host_bytes"] == sum(d.bytes for d in plan.of("offload"))
     assert len(rows["plan"]["measured"]["times_s"]) == 2
     anchors = {a.name: a for a in out.anchors}
     for name, r in rows.items():
         if name == "plan":
             continue
-        over = anchors[name].peak_bytes > plan.budget.bytes
+        over = r["predicted"]["peak_bytes"] > plan.budget.bytes
         assert (r["measured"] is None) == over
         if over:
             assert "over the budget" in r["skipped"]

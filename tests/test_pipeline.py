@@ -222,3 +222,103 @@ def test_a_name_whose_value_is_no_residual_names_no_look_alike_on_another_line(t
         "    return step, (ws, jax.ShapeDtypeStruct((16, 128), jnp.float32))\n")
     assert any(r.source and r.source[1] == 7 and r.per_layer_dims == (16, 128) for r in rs)
     assert [r.inst.name for r in rs if names.get(r.inst.name) == "q"] == []
+
+
+# -- a policy judged on the step JAX lowers with it ------------------------------------------
+
+
+def test_judged_as_lowered_moves_what_jax_annotates_where_the_replay_moves_less() -> None:
+    """``offload_dot_with_no_batch_dims`` on the zoo Llama saves the q/k/v projections' outputs,
+    which the step with everything saved never keeps (it keeps them after the rotary embedding):
+    its replay on that step's residuals moves fewer bytes than JAX's rule does. Judged on the
+    step lowered with it, the bytes moved are the ``pinned_host`` annotations of the HLO JAX
+    emits, each times its loop's trip count."""
+    import jax
+
+    from hloopt import pipeline
+    from hloopt.anchors import ANCHORS
+    from hloopt.lowering import lower
+    from hloopt.problem import Action
+    from hloopt.targets import resolve
+    from hloopt.verify import offload_annotations
+
+    prof = load_profile("tpu-v5e")
+    tgt = resolve(LLAMA)
+    pol = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    judged = pipeline.judge_lowered(tgt, pol, prof)
+    annotated = sum(a.bytes * a.count for a in offload_annotations(lower(tgt, platform="tpu", policy=pol).hlo_text))
+    assert judged.host_bytes == annotated > 0
+    _, problem = pipeline.analyze_target(tgt, prof)
+    anchor = next(a for a in ANCHORS if a.name == "offload_dot_with_no_batch_dims")
+    d = anchor.decisions(problem)
+    replayed = sum(c.bytes for c in problem.candidates if d.action(c.key) == Action.OFFLOAD)
+    assert replayed < annotated
+
+
+SCANNED_DOTS = '''
+import jax
+import jax.numpy as jnp
+
+
+def make():
+    def layer(x, w):
+        return jnp.tanh(x @ w), None
+
+    def loss(ws, x):
+        y, _ = jax.lax.scan(jax.checkpoint(layer), x, ws)
+        return jnp.sum(y)
+
+    def step(ws, x):
+        value, g = jax.value_and_grad(loss)(ws, x)
+        return ws - 0.1 * g, value
+
+    return step, (jax.ShapeDtypeStruct((6, 256, 256), jnp.float32), jax.ShapeDtypeStruct((256, 256), jnp.float32))
+'''
+
+
+def test_a_link_bound_offload_takes_the_links_time_both_ways(tmp_path) -> None:
+    """Layers under ``scan``, each offloading its one dot output, over a link slow enough that
+    compute hides nothing: every offload must reach the host (one D2H queue, production order)
+    before the last layer's value, read first in the backward pass, comes back, and the reloads
+    share one H2D queue. So the step takes at least B/d2h + B/h2d (B: all bytes moved), and at
+    most the compute plus both at the duplex rates plus a latency per transfer (hand-computed
+    bounds around the simulator)."""
+    import jax
+
+    from hloopt import pipeline
+    from hloopt.targets import resolve
+
+    slow = load_profile("tpu-v5e").with_overrides(d2h_bytes_per_s=1e8, h2d_bytes_per_s=1e8)
+    path = tmp_path / "step.py"
+    path.write_text(SCANNED_DOTS)
+    tgt = resolve(f"{path}:make")
+    pol = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    judged = pipeline.judge_lowered(tgt, pol, slow)
+    saved = pipeline.judge_lowered(tgt, jax.checkpoint_policies.dots_with_no_batch_dims_saveable, slow)
+    b = judged.host_bytes
+    layers = 6
+    assert b == layers * 256 * 256 * 4
+    low = b / slow.d2h_bytes_per_s + b / slow.h2d_bytes_per_s
+    high = (saved.step_time_s + b / slow.duplex_d2h_bytes_per_s + b / slow.duplex_h2d_bytes_per_s
+            + 2 * layers * slow.transfer_latency_s)
+    assert low <= judged.step_time_s <= high
+    assert judged.exposed_transfer_s > 0 and saved.exposed_transfer_s == 0 and saved.host_bytes == 0
+
+
+def test_judged_with_everything_saved_is_the_plans_baseline() -> None:
+    """Nothing moved: the judgment of ``everything_saveable`` is the all-saved step ``plan`` starts
+    from, peak and time (one memory model, one simulator)."""
+    import jax
+
+    from hloopt import pipeline
+    from hloopt.problem import Decisions
+    from hloopt.simulator import simulate
+    from hloopt.targets import resolve
+
+    prof = load_profile("tpu-v5e")
+    tgt = resolve(LLAMA)
+    judged = pipeline.judge_lowered(tgt, jax.checkpoint_policies.everything_saveable, prof)
+    _, problem = pipeline.analyze_target(tgt, prof)
+    base = simulate(problem, Decisions.all_device())
+    assert (judged.peak_bytes, judged.host_bytes) == (base.peak_bytes, 0)
+    assert judged.step_time_s == pytest.approx(base.step_time_s, rel=1e-9)

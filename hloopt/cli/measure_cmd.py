@@ -100,13 +100,13 @@ def _print(m: Measurement, console: Any, why: str | None) -> None:
                     f"median of {mm.steps} samples after {mm.warmup} warm-up"
                     + (f", each {mm.back_to_back} steps queued back to back" if mm.back_to_back > 1 else ""),
                     title_justify="left")
-    for col in ("policy", "pred. time", "pred. peak", "pred. rank", "meas. time (median)", "min..max",
+    for col in ("policy", "pred. time", "pred. peak", "to host", "pred. rank", "meas. time (median)", "min..max",
                 "meas. rank", "device peak", "host peak RSS", "XLA temp"):
         t.add_column(col, justify="left" if col == "policy" else "right")
     for r in mm.rows:
         label = "[bold]hloopt plan[/bold]" if r.kind == "plan" else f"{r.kind}: {r.name}"
         pred = [format_seconds(r.predicted_step_time_s), format_bytes(r.predicted_peak_bytes),
-                str(r.predicted_rank or "-")]
+                format_bytes(r.predicted_host_bytes) if r.predicted_host_bytes else "-", str(r.predicted_rank or "-")]
         if r.measured is None:
             t.add_row(label, *pred, r.skipped or f"failed: {r.error}", "", "", "", "", "")
             continue

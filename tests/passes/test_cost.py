@@ -188,6 +188,22 @@ def test_collective_time_is_bytes_over_interconnect():
     assert g.seconds == pytest.approx(8192 * 4 / V5E.interconnect_bytes_per_s)
 
 
+def test_moves_to_and_from_host_memory_keep_their_bytes_but_take_no_compute_time():
+    """A placement marker (pre-optimization) and a compiled copy to ``S(5)`` run on the DMA
+    engines at the link's rate, which the simulator times; the compute stream spends nothing on
+    them. An on-device copy of the same bytes is charged HBM time."""
+    r = cost(entry("""
+  a = f32[1024,1024]{1,0} parameter(0)
+  h = f32[1024,1024]{1,0} custom-call(a), custom_call_target="annotate_device_placement", frontend_attributes={_xla_buffer_placement="pinned_host"}
+  cs = (f32[1024,1024]{1,0}, f32[1024,1024]{1,0:S(5)}, u32[]) copy-start(a)
+  cd = f32[1024,1024]{1,0:S(5)} copy-done(cs)
+  ROOT c = f32[1024,1024]{1,0} copy(a)"""))
+    nbytes = 4 * 1024 * 1024
+    assert r.of("h").bytes_accessed == 2 * nbytes and r.of("h").seconds == 0.0
+    assert r.of("cs").seconds == 0.0 and r.of("cd").seconds == 0.0
+    assert r.of("c").seconds == pytest.approx(2 * nbytes / V5E.hbm_bytes_per_s)
+
+
 # -- against XLA's cost_analysis() of exactly the compiled module --------------------------------
 
 
