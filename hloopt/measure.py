@@ -24,8 +24,9 @@ simulator's time for its compute and every value it moves to host memory), and e
 time under both. The planner's own figure (the replay of the policy's rules on the all-saved step's
 residuals, :mod:`hloopt.anchors`: the plan's prediction and ``hloopt plan``'s anchors table) is
 reported beside it (``replayed``): a policy can keep values the all-saved step never keeps, and
-then moves other bytes than its replay. ``peak_bytes_in_use`` counts from process start and cannot be reset from JAX, so rows run in
-order of increasing predicted peak and a row whose reading did not rise is marked as not its own.
+then moves other bytes than its replay. ``peak_bytes_in_use`` counts from process start and
+cannot be reset from JAX, so rows run in order of increasing predicted peak and a row whose
+reading did not rise is marked as not its own.
 
 Arguments that are ``jax.ShapeDtypeStruct`` are materialized (floats from a normal distribution with
 a fixed seed, integers zero: valid indices into any table) with the same dtype and sharding.

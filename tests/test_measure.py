@@ -219,7 +219,6 @@ def test_plan_row_carries_the_plans_prediction_and_runs_its_policy(tmp_path: Pat
     assert rows["plan"]["predicted"]["peak_bytes"] == plan.predicted.model_peak_bytes
     assert rows["plan"]["predicted"]["host_bytes"] == sum(d.bytes for d in plan.of("offload"))
     assert len(rows["plan"]["measured"]["times_s"]) == 2
-    anchors = {a.name: a for a in out.anchors}
     for name, r in rows.items():
         if name == "plan":
             continue
