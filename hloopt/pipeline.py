@@ -491,6 +491,28 @@ def judge_lowered(tgt: Any, policy: Any, profile: DeviceProfile, *, platform: st
                                           for r in an.residuals if r.offloaded))
 
 
+def judge_other_anchors(tgt: Any, problem: Problem, plan_obj: Any, profile: DeviceProfile, *,
+                        platform: str | None = None) -> list[tuple[str, LoweredJudgment]]:
+    """The plan and each policy :func:`_fewer_flops_builtin` does not weigh (JAX's offloading
+    policies, MaxText's presets where the step uses MaxText's names), judged as lowered.
+
+    Moving a value to host memory costs no FLOPs but its bytes over the link, so FLOPs alone
+    cannot rank these against the plan: each row carries the simulator's time for its module,
+    transfers included, beside its FLOPs and the bytes it moves."""
+    from hloopt.anchors import ANCHORS, expressible, policy_object
+    from hloopt.emit import policy as plan_policy
+    from hloopt.plan import BUILTIN_POLICIES
+
+    names = frozenset(c.name for c in problem.candidates if c.name)
+    rows = [("hloopt plan", judge_lowered(tgt, plan_policy(plan_obj), profile, platform=platform))]
+    for a in ANCHORS:
+        if a.place is not None or a.name in BUILTIN_POLICIES or a.name == "everything_saveable" \
+                or not expressible(a, problem):
+            continue
+        rows.append((a.code, judge_lowered(tgt, policy_object(a, names), profile, platform=platform)))
+    return rows
+
+
 def _group_of(op_name: str, groups: Sequence[Any]) -> Any:
     """The state group whose name prefixes an entry parameter's ``op_name`` (JAX writes each
     argument leaf's path there: ``opt_state[0].mu[3]``), None when no group does."""
@@ -1048,6 +1070,10 @@ class PlanOutcome:
     #: (policy, the memory model's peak of the step lowered with it, its FLOPs as lowered), for
     #: the searched rules and each built-in :func:`_fewer_flops_builtin` compared them with
     lowered_rows: list[tuple[str, int, float]] = field(default_factory=list)
+    #: the plan's policy and every other policy hloopt knows that moves values to host memory or
+    #: is a MaxText preset, each judged on the step lowered with it (:func:`judge_lowered`): with
+    #: ``judge="flops"``; the plan's row first
+    judged_rows: list[tuple[str, LoweredJudgment]] = field(default_factory=list)
     #: what ``lowered_rows`` hold: ``"flops"`` (the memory model's peak, FLOPs as lowered) or
     #: ``"compiled"`` (libtpu's peak, the compiled module's roofline seconds)
     judge: str = "flops"
@@ -1492,6 +1518,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                 solver=solver, time_limit_s=time_limit_s, aim=aim)
     choice_note = None
     lowered_rows: list[tuple[str, int, float]] = []
+    judged_rows: list[tuple[str, LoweredJudgment]] = []
     if not hosted and on_the_model:
         with progress("comparing built-in policies on the memory model (re-lowering with each)" if judge == "flops"
                       else "compiling the plan and each built-in policy with libtpu"):
@@ -1500,6 +1527,9 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                 over=settle_note is not None, judge=judge)
         if choice_note is not None:
             settle_note = policy_note = None  # the plan is a built-in policy now
+        if judge == "flops" and budget_bytes is not None:
+            with progress("judging the offloading policies and MaxText presets (re-lowering with each)"):
+                judged_rows = judge_other_anchors(tgt, searched, plan_obj, profile, platform=platform)
     if on_the_model:
         with progress("analyzing the step as written"):
             as_written = _as_written_on_the_model(tgt)
@@ -1508,7 +1538,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                        imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
                        time_limit_s=time_limit_s, settle_note=settle_note, policy_note=policy_note,
                        choice_note=choice_note,
-                       lowered_rows=lowered_rows, judge=judge,
+                       lowered_rows=lowered_rows, judged_rows=judged_rows, judge=judge,
                        aim_bytes=aim if aim != budget_bytes else None,
                        target=tgt if compile is None else None, platform=platform)
 

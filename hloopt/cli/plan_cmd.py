@@ -226,6 +226,17 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
             m.add_row(f"[bold]{name}[/bold] (the plan)" if name == chosen else name, format_bytes(peak) + fits,
                       format_seconds(value) if compiled else f"{value / 1e9:.4g}")
         console.print(m)  # type: ignore[attr-defined]
+    if o.judged_rows:  # type: ignore[attr-defined]
+        j = Table(title="Offloading policies and MaxText presets, each lowered and judged (the memory model's peak; "
+                        "FLOPs; bytes to host; predicted step time, transfers included)", title_justify="left")
+        for col in ("policy", "peak", "GFLOP", "to host", "step time"):
+            j.add_column(col, justify="left" if col == "policy" else "right")
+        for name, r in o.judged_rows:  # type: ignore[attr-defined]
+            fits = "" if budget is None else (" (fits)" if r.peak_bytes <= budget else " (over)")
+            j.add_row(f"[bold]{name}[/bold]" if name == "hloopt plan" else name, format_bytes(r.peak_bytes) + fits,
+                      f"{r.flops / 1e9:.4g}", format_bytes(r.host_bytes) if r.host_bytes else "-",
+                      format_seconds(r.step_time_s))
+        console.print(j)  # type: ignore[attr-defined]
     b = p.bounds
     line = (f"budget {format_bytes(budget)}; " if budget is not None else "") + \
         f"least peak any policy reaches {format_bytes(b.least_peak_bytes)}; " \
