@@ -476,12 +476,13 @@ def judge_lowered(tgt: Any, policy: Any, profile: DeviceProfile, *, platform: st
     A replay of a policy's rules on the all-saved step's residuals (:mod:`hloopt.anchors`) can only
     save, offload or recompute those residuals; a policy that saves a value the all-saved step
     never keeps (a projection's output before the rotary embedding that reads it) moves other
-    bytes than the replay does. Lowering with the policy sees what JAX does with it. ``compile``
-    (``cpu``, ``tpu-v5e``...): judge the compiler's scheduled module instead."""
+    bytes than the replay does. Lowering with the policy sees what JAX does with it. ``policy``
+    None: the step as written (its own checkpoint policies; a MaxText step built with a preset).
+    ``compile`` (``cpu``, ``tpu-v5e``...): judge the compiler's scheduled module instead."""
     from hloopt.ir import STORAGE_BITS
     from hloopt.simulator import simulate
 
-    module, source = lower_for_plan(tgt, profile, platform=platform, base_policy=policy, compile=compile)
+    module, source = _lowered_module(tgt, platform or ("tpu" if profile.kind == "tpu" else "cuda"), policy, compile)
     an = analyze_module(module, profile, source=source)
     problem, _ = build_problem(an, profile, moved=True)
     r = simulate(problem, as_lowered(problem))
@@ -1127,16 +1128,21 @@ def lower_for_plan(target: Any, profile: DeviceProfile, *, platform: str | None 
     Returns (module, source)."""
     import jax
 
+    plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
+    with progress(f"lowering {target.name} for {compile or plat}"):
+        return _lowered_module(target, plat, base_policy or jax.checkpoint_policies.everything_saveable, compile)
+
+
+def _lowered_module(target: Any, platform: str, policy: Any, compile: str | None) -> tuple[Module, str]:
+    """``target`` lowered for ``platform`` with every checkpoint taking ``policy`` (None: its own),
+    parsed; with ``compile``, the compiler's module. Returns (module, source)."""
     from hloopt.hlo.parser import parse_module
     from hloopt.lowering import lower
 
-    plat = platform or ("tpu" if profile.kind == "tpu" else "cuda")
-    with progress(f"lowering {target.name} for {compile or plat}"):
-        low = lower(target, platform=plat, policy=base_policy or jax.checkpoint_policies.everything_saveable,
-                    compile=compile)
+    low = lower(target, platform=platform, policy=policy, compile=compile)
     text = low.compiled_text if compile else low.hlo_text
     assert text is not None, "lower(compile=...) returns the compiled text"
-    source = f"compiled:{compile}" if compile else f"lowered:{plat}"
+    source = f"compiled:{compile}" if compile else f"lowered:{platform}"
     return parse_module(text, filename=f"<{target.name} {source}>"), source
 
 
