@@ -128,7 +128,10 @@ def _places(anchor: Anchor) -> bool:
 
 def expressible(anchor: Anchor, problem: Problem) -> bool:
     """MaxText presets apply only to programs that use MaxText's tensor names; anchors placing the
-    step's arguments only to problems that have them as candidates."""
+    step's arguments only to problems that have them as candidates; ``offload_all_names`` only to
+    programs that name values (without a name it is ``nothing_saveable``)."""
+    if anchor.name == "offload_all_names":
+        return any(c.name for c in problem.candidates)
     if _places(anchor):
         return any(c.state is not None and anchor.place is not None and anchor.place(c) in c.allowed - {Action.DEVICE}
                    for c in problem.candidates)

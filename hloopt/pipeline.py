@@ -505,10 +505,13 @@ def judge_other_anchors(tgt: Any, problem: Problem, plan_obj: Any, profile: Devi
     from hloopt.plan import BUILTIN_POLICIES
 
     names = frozenset(c.name for c in problem.candidates if c.name)
+    # MaxText's "full" is nothing_saveable, shown among the presets of a step that uses MaxText's names
+    maxtext = any(a.kind == "maxtext" and a.name != "full" and a.place is None and expressible(a, problem)
+                  for a in ANCHORS)
     rows = [("hloopt plan", judge_lowered(tgt, plan_policy(plan_obj), profile, platform=platform))]
     for a in ANCHORS:
         if a.place is not None or a.name in BUILTIN_POLICIES or a.name == "everything_saveable" \
-                or not expressible(a, problem):
+                or not expressible(a, problem) or (a.kind == "maxtext" and not maxtext):
             continue
         rows.append((a.code, judge_lowered(tgt, policy_object(a, names), profile, platform=platform)))
     return rows

@@ -91,3 +91,15 @@ def test_anchor_decisions_follow_the_policies():
 def test_small_llama_never_dominated():
     problem = _problem("llama", "small", "tpu-v5e")
     assert _check_never_dominated(problem) >= 2
+
+
+def test_offloading_every_name_applies_only_where_the_program_names_values() -> None:
+    """``offload_all_names`` over a program without a ``checkpoint_name`` offloads nothing (it is
+    ``nothing_saveable``): it is offered where some residual is named (the zoo Llama), not where
+    none is (the zoo convnet)."""
+    from hloopt.anchors import ANCHORS, expressible
+
+    anchor = next(a for a in ANCHORS if a.name == "offload_all_names")
+    llama, convnet = _problem("llama", "tiny", "tpu-v5e"), _problem("convnet", "tiny", "tpu-v5e")
+    assert any(c.name for c in llama.candidates) and expressible(anchor, llama)
+    assert not any(c.name for c in convnet.candidates) and not expressible(anchor, convnet)
