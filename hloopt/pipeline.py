@@ -517,6 +517,36 @@ def judge_other_anchors(tgt: Any, problem: Problem, plan_obj: Any, profile: Devi
     return rows
 
 
+def judged_notes_of(plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
+                    budget_bytes: int) -> tuple[str, ...]:
+    """What the lowered steps' judgment (:func:`judge_other_anchors`, the plan's row first) says
+    against the plan: the plan's step moving other bytes to host memory than the plan counts (its
+    rules select more values together than alone), and a policy that fits with fewer FLOPs and is
+    predicted no slower (it keeps values the all-saved step never keeps, which no rule hloopt
+    searches can select)."""
+    from hloopt.units import format_bytes, format_seconds
+
+    if not rows or rows[0][0] != "hloopt plan":
+        return ()
+    ours = rows[0][1]
+    notes = []
+    planned = sum(d.bytes for d in plan_obj.of("offload"))
+    if ours.host_bytes > planned:
+        notes.append(f"the step lowered with the plan moves {format_bytes(ours.host_bytes)} to host memory where the "
+                     f"plan counts {format_bytes(planned)}: predicted {format_seconds(ours.step_time_s)} as lowered, "
+                     f"{format_seconds(plan_obj.predicted.step_time_s)} as planned (hloopt verify names the values)")
+    better = [(code, r) for code, r in rows[1:] if r.peak_bytes <= budget_bytes and r.flops < ours.flops * (1 - 1e-3)
+              and r.step_time_s <= ours.step_time_s]
+    if better:
+        code, r = min(better, key=lambda cr: (cr[1].step_time_s, cr[1].flops))
+        notes.append(f"{code} fits the budget with {r.flops / 1e9:.4g} GFLOP (the plan: {ours.flops / 1e9:.4g}) and is "
+                     f"predicted {format_seconds(r.step_time_s)} as lowered (the plan: "
+                     f"{format_seconds(ours.step_time_s)}), moving {format_bytes(r.host_bytes)} to host memory: it "
+                     "keeps values the step with everything saved never keeps, which hloopt's rules cannot select; "
+                     "consider it")
+    return tuple(notes)
+
+
 def _group_of(op_name: str, groups: Sequence[Any]) -> Any:
     """The state group whose name prefixes an entry parameter's ``op_name`` (JAX writes each
     argument leaf's path there: ``opt_state[0].mu[3]``), None when no group does."""
@@ -1078,6 +1108,8 @@ class PlanOutcome:
     #: is a MaxText preset, each judged on the step lowered with it (:func:`judge_lowered`): with
     #: ``judge="flops"``; the plan's row first
     judged_rows: list[tuple[str, LoweredJudgment]] = field(default_factory=list)
+    #: what the judgment of the lowered steps says against the plan (:func:`judged_notes`)
+    judged_notes: tuple[str, ...] = ()
     #: what ``lowered_rows`` hold: ``"flops"`` (the memory model's peak, FLOPs as lowered) or
     #: ``"compiled"`` (libtpu's peak, the compiled module's roofline seconds)
     judge: str = "flops"
@@ -1528,6 +1560,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     choice_note = None
     lowered_rows: list[tuple[str, int, float]] = []
     judged_rows: list[tuple[str, LoweredJudgment]] = []
+    judged_notes: tuple[str, ...] = ()
     if not hosted and on_the_model:
         with progress("comparing built-in policies on the memory model (re-lowering with each)" if judge == "flops"
                       else "compiling the plan and each built-in policy with libtpu"):
@@ -1539,6 +1572,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         if judge == "flops" and budget_bytes is not None:
             with progress("judging the offloading policies and MaxText presets (re-lowering with each)"):
                 judged_rows = judge_other_anchors(tgt, searched, plan_obj, profile, platform=platform)
+            judged_notes = judged_notes_of(plan_obj, judged_rows, budget_bytes)
     if on_the_model:
         with progress("analyzing the step as written"):
             as_written = _as_written_on_the_model(tgt)
@@ -1547,7 +1581,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                        imports=frozenset(_imports(tgt)), max_slowdown=max_slowdown, solver=solver,
                        time_limit_s=time_limit_s, settle_note=settle_note, policy_note=policy_note,
                        choice_note=choice_note,
-                       lowered_rows=lowered_rows, judged_rows=judged_rows, judge=judge,
+                       lowered_rows=lowered_rows, judged_rows=judged_rows, judged_notes=judged_notes, judge=judge,
                        aim_bytes=aim if aim != budget_bytes else None,
                        target=tgt if compile is None else None, platform=platform)
 

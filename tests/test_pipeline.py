@@ -322,3 +322,30 @@ def test_judged_with_everything_saved_is_the_plans_baseline() -> None:
     base = simulate(problem, Decisions.all_device())
     assert (judged.peak_bytes, judged.host_bytes) == (base.peak_bytes, 0)
     assert judged.step_time_s == pytest.approx(base.step_time_s, rel=1e-9)
+
+
+def test_judged_notes_name_the_plans_extra_bytes_and_a_policy_that_beats_it() -> None:
+    """Hand-made judgments: the plan's step moves 30 B where its decisions count 20; of two other
+    policies, the one within the budget with fewer FLOPs and no longer a step is named, the one
+    over the budget is not; a plan that moves what it counts and is not beaten gets no note."""
+    from types import SimpleNamespace
+
+    from hloopt.pipeline import LoweredJudgment, judged_notes_of
+
+    def judged(peak: int, seconds: float, flops: float, host: int) -> LoweredJudgment:
+        return LoweredJudgment(peak_bytes=peak, step_time_s=seconds, exposed_transfer_s=0.0, flops=flops,
+                               host_bytes=host)
+
+    offloads = (SimpleNamespace(bytes=20),)
+    plan = SimpleNamespace(of=lambda action: offloads if action == "offload" else (),
+                           predicted=SimpleNamespace(step_time_s=0.009))
+    rows = [("hloopt plan", judged(900, 0.010, 100e9, 30)),
+            ("over the budget", judged(1100, 0.008, 80e9, 0)),
+            ("offloading policy", judged(950, 0.0095, 90e9, 40))]
+    notes = judged_notes_of(plan, rows, budget_bytes=1000)
+    assert len(notes) == 2
+    assert "moves 30 B to host memory where the plan counts 20 B" in notes[0]
+    assert notes[1].startswith("offloading policy fits the budget with 90 GFLOP (the plan: 100)")
+    assert "over the budget" not in notes[1]
+    exact = [("hloopt plan", judged(900, 0.010, 100e9, 20)), ("slower", judged(950, 0.011, 90e9, 40))]
+    assert judged_notes_of(plan, exact, budget_bytes=1000) == ()

@@ -263,6 +263,8 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
                           markup=False, highlight=False)
     if o.choice_note:  # type: ignore[attr-defined]
         console.print(f"note: {o.choice_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
+    for n in o.judged_notes:  # type: ignore[attr-defined]
+        console.print(f"note: {n}", markup=False, highlight=False)  # type: ignore[attr-defined]
     if o.settle_note:  # type: ignore[attr-defined]
         console.print(f"warning: {o.settle_note}", markup=False, highlight=False)  # type: ignore[attr-defined]
     if o.policy_note:  # type: ignore[attr-defined]
