@@ -173,6 +173,14 @@ def _primitive_rules(decisions: Iterable[Decision]) -> tuple[tuple[str, str | No
     return tuple(sorted(((p, s, a) for (p, s), a in rules.items()), key=lambda r: (r[0], r[1] is None)))
 
 
+def builtin_code(name: str) -> str:
+    """The built-in policy ``name`` as a user writes it (an offloading one called with its memory kinds)."""
+    from hloopt.plan import OFFLOADING_BUILTINS
+
+    call = f"({OFFLOAD_SRC!r}, {OFFLOAD_DST!r})" if name in OFFLOADING_BUILTINS else ""
+    return f"jax.checkpoint_policies.{name}{call}"
+
+
 def remat3_limits(plan: Plan) -> str | None:
     """What ``jax_remat3`` cannot carry out of ``plan``, in one line, or None when it can.
 
@@ -193,7 +201,8 @@ def remat3_limits(plan: Plan) -> str | None:
     if by_primitive:
         parts.append(f"{len(by_primitive)} value(s) saved by primitive rule (remat3 saves by checkpoint_name only)")
     elif builtin:
-        parts.append(f"jax.checkpoint_policies.{plan.builtin} (remat3 saves by checkpoint_name only)")
+        parts.append(f"{builtin_code(plan.builtin)} (remat3 saves by checkpoint_name only"  # type: ignore[arg-type]
+                     + (" and drops offloading)" if offloads else ")"))
     return ("jax_remat3 is on: this plan needs " + " and ".join(parts) + "; turn it off "
             "(jax.config.update('jax_remat3', False)) or use only its saved names "
             f"(save_only_these_names({', '.join(repr(n) for n in sorted(plan.names('device')))}))")
@@ -210,7 +219,10 @@ def policy(plan: Plan | str | os.PathLike[str]) -> Callable[..., Any]:
     if plan.builtin is not None:  # remat3 recomputes everything under one (remat3_limits)
         import jax
 
-        return getattr(jax.checkpoint_policies, plan.builtin)
+        from hloopt.plan import OFFLOADING_BUILTINS
+
+        builtin = getattr(jax.checkpoint_policies, plan.builtin)
+        return builtin(OFFLOAD_SRC, OFFLOAD_DST) if plan.builtin in OFFLOADING_BUILTINS else builtin
     if remat3_enabled() and remat3_limits(plan) is None:
         import jax
 
@@ -302,7 +314,7 @@ def python_snippet(plan: Plan | str | os.PathLike[str]) -> str:
             "",
             "# JAX's own policy: it fits the budget and beats the rules hloopt searched (see the plan's note);",
             "# the decisions above are what it does to each residual",
-            f"policy = jax.checkpoint_policies.{plan.builtin}",
+            f"policy = {builtin_code(plan.builtin)}",
             "",
         ]
         return "\n".join(lines)

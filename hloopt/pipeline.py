@@ -547,6 +547,52 @@ def judged_notes_of(plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
     return tuple(notes)
 
 
+def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
+                        budget_bytes: int, build: Callable[[Problem, Decisions, SimResult], Any]) -> Any:
+    """(plan, decisions, result, note) of the JAX offloading built-in (:data:`hloopt.plan.
+    OFFLOADING_BUILTINS`) to take instead of the plan, or None.
+
+    One is taken where, both lowered and judged (:func:`judge_lowered`, the plan's row first), it
+    fits the budget with fewer FLOPs than the plan and a step no longer than the plan's. Such a
+    policy keeps values the all-saved step never keeps (a projection's output before the rotary
+    embedding that reads it), which no rule hloopt searches can select. The plan's predicted
+    figures are the judgment's; its decisions are the built-in's replay on the all-saved step."""
+    import dataclasses as dc
+
+    from hloopt.anchors import ANCHORS
+    from hloopt.emit import builtin_code
+    from hloopt.plan import OFFLOADING_BUILTINS
+    from hloopt.simulator import simulate
+    from hloopt.units import format_bytes, format_seconds
+
+    if not rows or plan_obj.state:
+        return None
+    ours = rows[0][1]
+    by_code = {builtin_code(n): n for n in OFFLOADING_BUILTINS}
+    fit = [(by_code[code], r) for code, r in rows[1:] if code in by_code and r.peak_bytes <= budget_bytes
+           and r.flops < ours.flops * (1 - 1e-3) and r.step_time_s <= ours.step_time_s]
+    if not fit:
+        return None
+    name, r = min(fit, key=lambda nr: (nr[1].step_time_s, nr[1].flops))
+    anchor = next(a for a in ANCHORS if a.name == name)
+    acts = anchor.decisions(problem)
+    res = simulate(problem, acts)
+    alt = build(problem, acts, res)
+    verb = {"offload": "offloads", "remat": "recomputes"}
+    alt = dc.replace(alt, builtin=name, decisions=tuple(
+        dc.replace(d, reason=f"{anchor.code} {verb[d.action]} it") if d.action in verb else d
+        for d in alt.decisions),
+        predicted=dc.replace(alt.predicted, peak_bytes=r.peak_bytes, model_peak_bytes=r.peak_bytes,
+                             replay_peak_bytes=res.peak_bytes, step_time_s=r.step_time_s,
+                             exposed_transfer_s=r.exposed_transfer_s))
+    note = (f"the plan is {anchor.code}: lowered and judged, it fits the budget with {r.flops / 1e9:.4g} GFLOP and "
+            f"{format_seconds(r.step_time_s)} per step, moving {format_bytes(r.host_bytes)} to host memory, where "
+            f"the plan hloopt searched needs {ours.flops / 1e9:.4g} GFLOP and {format_seconds(ours.step_time_s)} "
+            "(the built-in keeps values the step with everything saved never keeps, which hloopt's rules "
+            "cannot select)")
+    return alt, acts, res, note
+
+
 def _group_of(op_name: str, groups: Sequence[Any]) -> Any:
     """The state group whose name prefixes an entry parameter's ``op_name`` (JAX writes each
     argument leaf's path there: ``opt_state[0].mu[3]``), None when no group does."""
@@ -1573,6 +1619,13 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
             with progress("judging the offloading policies and MaxText presets (re-lowering with each)"):
                 judged_rows = judge_other_anchors(tgt, searched, plan_obj, profile, platform=platform)
             judged_notes = judged_notes_of(plan_obj, judged_rows, budget_bytes)
+            adopted = _offloading_builtin(searched, plan_obj, judged_rows, budget_bytes, build)
+            if adopted is not None:
+                plan_obj, decisions, result, choice_note = adopted
+                settle_note = policy_note = None
+                judged_rows = [("hloopt's searched rules" if i == 0 else label, r)
+                               for i, (label, r) in enumerate(judged_rows)]
+                judged_notes = ()
     if on_the_model:
         with progress("analyzing the step as written"):
             as_written = _as_written_on_the_model(tgt)

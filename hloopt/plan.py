@@ -14,9 +14,11 @@ a frozen dataclass tree with one JSON form:
                                             (the last two only when argument groups were planned)
 
 ``builtin`` (only where set): the plan is that JAX built-in policy (one of
-:data:`BUILTIN_POLICIES`, ``jax.checkpoint_policies.<builtin>``), chosen because it fits the
-budget with fewer FLOPs than the searched rules (:func:`hloopt.pipeline.plan`); its decisions
-say what it does to each residual, and the policy emitted is the built-in itself.
+:data:`BUILTIN_POLICIES` or :data:`OFFLOADING_BUILTINS`, ``jax.checkpoint_policies.<builtin>``),
+chosen because it fits the budget with fewer FLOPs than the searched rules (an offloading one:
+and no longer a step, both lowered and judged; :func:`hloopt.pipeline.plan`); its decisions say
+what its replay does to each residual of the all-saved step, and the policy emitted is the
+built-in itself.
 
 Algorithm: :meth:`Plan.to_json` writes keys sorted, floats rounded to :data:`FLOAT_DIGITS`
 significant digits, decisions in the order given and no timestamps or timings (the solver's
@@ -57,8 +59,11 @@ SCHEMA = f"{SCHEMA_PREFIX}{SCHEMA_VERSION}"
 ACTIONS: tuple[str, ...] = ("device", "offload", "remat")
 MODES: tuple[str, ...] = ("budget", "max-slowdown", "pareto")
 SELECTOR_KINDS: tuple[str, ...] = ("name", "primitive")
-#: JAX built-in policies a plan can be (``Plan.builtin``): those that move nothing to host memory
+#: JAX built-in policies that move nothing to host memory, which a plan can be (``Plan.builtin``)
 BUILTIN_POLICIES: tuple[str, ...] = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
+#: JAX built-in policies that move values to host memory (called with ``('device', 'pinned_host')``),
+#: which a plan can be too: judged on the step lowered with them (hloopt.pipeline.judge_lowered)
+OFFLOADING_BUILTINS: tuple[str, ...] = ("offload_dot_with_no_batch_dims",)
 #: Significant digits floats are written with: enough for nanoseconds in an hour-long step.
 FLOAT_DIGITS = 12
 
@@ -550,7 +555,8 @@ def _parse_plan(data: Any, origin: str) -> Plan:
                     mode=r.one_of("mode", MODES), decisions=tuple(decisions), predicted=predicted,
                     bounds=bounds, solver=solver, pareto=pareto, schema=SCHEMA, state=tuple(state),
                     host_budget_bytes=host_budget, host_peak_bytes=host_peak,
-                    builtin=r.one_of("builtin", BUILTIN_POLICIES) if "builtin" in r.obj else None)
+                    builtin=r.one_of("builtin", BUILTIN_POLICIES + OFFLOADING_BUILTINS)
+                    if "builtin" in r.obj else None)
     except UserError as err:
         raise UserError(str(err).replace("<plan>", origin, 1)) from None
 
@@ -559,9 +565,10 @@ def _check_semantics(plan: Plan, origin: str) -> None:
     if plan.mode not in MODES:
         raise UserError(f"{origin}: mode: expected one of {', '.join(MODES)}, got {plan.mode!r}")
     if plan.builtin is not None:
-        if plan.builtin not in BUILTIN_POLICIES:
-            raise UserError(f"{origin}: builtin: expected one of {', '.join(BUILTIN_POLICIES)}, got {plan.builtin!r}")
-        if plan.of("offload"):
+        known = BUILTIN_POLICIES + OFFLOADING_BUILTINS
+        if plan.builtin not in known:
+            raise UserError(f"{origin}: builtin: expected one of {', '.join(known)}, got {plan.builtin!r}")
+        if plan.of("offload") and plan.builtin not in OFFLOADING_BUILTINS:
             raise UserError(f"{origin}: builtin: {plan.builtin} offloads nothing, but decisions offload "
                             f"{plan.of('offload')[0].key!r}")
     seen: dict[str, int] = {}

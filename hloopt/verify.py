@@ -14,7 +14,9 @@ shape. A decision whose values were not annotated is explained when possible:
   (it is not a residual), so the policy silently does nothing for it;
 * the plan counted a different number of layers than got annotated.
 
-Whole-plan annotations no decision accounts for are *unplanned*. For a plan made for a TPU, the
+Whole-plan annotations no decision accounts for are *unplanned*. A plan that is a JAX built-in
+policy (``Plan.builtin``) emits that policy, which offloads what it offloads: its decisions are
+the built-in's replay and are not checked one by one. For a plan made for a TPU, the
 re-lowered step is also run through the memory model (:func:`hloopt.analysis.analyze`, the
 pre-optimization TPU prediction), which sees what the plan's own timeline does not: the VMEM
 heap, and libtpu copying values offloaded outside a loop straight back. That second opinion
@@ -238,7 +240,12 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
         remaining[a.shape] += a.count
     checks: list[DecisionCheck] = []
     problems: list[str] = []
-    for d in plan.of("offload"):
+    # A plan that is a JAX built-in policy emits that policy, whatever its decisions (the built-in's
+    # replay on the all-saved step) say: what it offloads is the plan's, checked as a whole below.
+    per_decision = plan.of("offload") if plan.builtin is None else ()
+    if plan.builtin is not None:
+        remaining.clear()
+    for d in per_decision:
         alone = offload_annotations(
             lower(t, platform="tpu", policy=policy(dataclasses.replace(plan, decisions=(d,)))).hlo_text)
         layers = sum(a.count for a in alone)
@@ -289,7 +296,8 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
         if plan.budget is not None and peak is not None and peak > plan.budget.bytes:
             problems.append(f"compiled peak {peak} bytes exceeds the budget {plan.budget.spec} "
                             f"({plan.budget.bytes} bytes)")
-        if plan.of("offload") and any(c.annotated_layers for c in checks) and not memory.get("host_temp_size_in_bytes"):
+        moved = any(c.annotated_layers for c in checks) or (plan.builtin is not None and bool(whole))
+        if plan.of("offload") and moved and not memory.get("host_temp_size_in_bytes"):
             problems.append(f"XLA kept the offloaded residuals on device ({compile}: host_temp_size_in_bytes = 0)")
     return Verification(
         target=t.name, plan_target=plan.target, checks=tuple(checks), annotations=tuple(whole),

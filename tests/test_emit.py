@@ -23,7 +23,7 @@ from hloopt.errors import UserError
 from hloopt.hlo.parser import parse_module
 from hloopt.ir import unquote
 from hloopt.lowering import lower
-from hloopt.plan import Decision, Selector
+from hloopt.plan import Decision, Plan, Selector
 from hloopt.targets import resolve
 from hloopt.verify import offload_annotations
 from tests.test_plan import make_plan, named
@@ -88,6 +88,28 @@ def test_a_builtin_plan_is_jaxs_own_policy_and_the_snippet_names_it(name: str) -
     plan = make_plan((named("context", "device"), named("query_proj", "remat")), builtin=name)
     assert hloopt.policy(plan) is getattr(jax.checkpoint_policies, name)
     assert run_snippet(emit.python_snippet(plan)) is getattr(jax.checkpoint_policies, name)
+
+
+def test_an_offloading_builtin_plan_is_jaxs_policy_called_with_its_memory_kinds(tmp_path: Path) -> None:
+    """A plan that is ``offload_dot_with_no_batch_dims`` (its decisions: the built-in's replay,
+    offloads among them) round-trips through its file, and its policy and snippet offload a dot
+    without batch dimensions to pinned_host, as JAX's own does, and recompute a batched one."""
+    plan = make_plan((named("mlpwi_0", "offload"), named("query_proj", "remat")),
+                     builtin="offload_dot_with_no_batch_dims")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    ours, snip = hloopt.policy(str(path)), run_snippet(emit.python_snippet(plan))
+    jaxs = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    a = jax.core.ShapedArray((2, 3), jnp.float32)
+    b = jax.core.ShapedArray((3, 4), jnp.float32)
+    plain = dict(dimension_numbers=(((1,), (0,)), ((), ())), precision=None, preferred_element_type=None,
+                 out_sharding=None)
+    a3, b3 = jax.core.ShapedArray((5, 2, 3), jnp.float32), jax.core.ShapedArray((5, 3, 4), jnp.float32)
+    batched = dict(plain, dimension_numbers=(((2,), (1,)), ((0,), (0,))))
+    for pol in (ours, snip):
+        assert kind(pol(DOT_P, a, b, **plain)) == kind(jaxs(DOT_P, a, b, **plain)) == "offload"
+        assert kind(pol(DOT_P, a3, b3, **batched)) == kind(jaxs(DOT_P, a3, b3, **batched)) == "remat"
 
 
 def test_policy_accepts_a_plan_file(tmp_path: Path) -> None:

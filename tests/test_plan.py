@@ -145,7 +145,7 @@ def _mutated(**changes: object) -> str:
      "decisions[1]: checkpoint_name 'query_proj' is both offload (decisions[0]) and device"),
     (_mutated(builtin="checkpoint_dots"),
      "builtin: expected one of dots_saveable, dots_with_no_batch_dims_saveable, nothing_saveable, "
-     "got 'checkpoint_dots'"),
+     "offload_dot_with_no_batch_dims, got 'checkpoint_dots'"),
     (_mutated(builtin="dots_saveable"),
      "builtin: dots_saveable offloads nothing, but decisions offload 'name:query_proj'"),
 ])

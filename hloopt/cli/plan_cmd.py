@@ -174,6 +174,7 @@ def _print_maxtext(outcome: object, console: object) -> None:
 def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None:
     from rich.table import Table
 
+    from hloopt.emit import builtin_code
     from hloopt.units import format_bytes, format_seconds
 
     o = outcome  # type: ignore[assignment]
@@ -220,7 +221,7 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
                   else "Lowered with each policy (the memory model's peak; FLOPs as lowered)", title_justify="left")
         for col in ("policy", "peak", "roofline" if compiled else "GFLOP"):
             m.add_column(col, justify="left" if col == "policy" else "right")
-        chosen = f"jax.checkpoint_policies.{p.builtin}" if p.builtin else "hloopt's searched rules"
+        chosen = builtin_code(p.builtin) if p.builtin else "hloopt's searched rules"
         for name, peak, value in o.lowered_rows:  # type: ignore[attr-defined]
             fits = "" if budget is None else (" (fits)" if peak <= budget else " (over)")
             m.add_row(f"[bold]{name}[/bold] (the plan)" if name == chosen else name, format_bytes(peak) + fits,
@@ -233,7 +234,9 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
             j.add_column(col, justify="left" if col == "policy" else "right")
         for name, r in o.judged_rows:  # type: ignore[attr-defined]
             fits = "" if budget is None else (" (fits)" if r.peak_bytes <= budget else " (over)")
-            j.add_row(f"[bold]{name}[/bold]" if name == "hloopt plan" else name, format_bytes(r.peak_bytes) + fits,
+            is_plan = p.builtin is not None and name == builtin_code(p.builtin)
+            j.add_row(f"[bold]{name}[/bold]" + (" (the plan)" if is_plan else "") if name == "hloopt plan" or is_plan
+                      else name, format_bytes(r.peak_bytes) + fits,
                       f"{r.flops / 1e9:.4g}", format_bytes(r.host_bytes) if r.host_bytes else "-",
                       format_seconds(r.step_time_s))
         console.print(j)  # type: ignore[attr-defined]

@@ -54,7 +54,8 @@ def _show(r: object) -> None:
     assert isinstance(r, Verification)
     click.echo(f"verify {r.target} against plan for {r.plan_target}")
     if not r.checks:
-        click.echo("  the plan offloads nothing")
+        click.echo("  the plan is a JAX built-in policy: what it offloads is the plan's"
+                   if r.annotations and not r.unplanned else "  the plan offloads nothing")
     for c in r.checks:
         mark = "ok " if c.status == "ok" else "BAD"
         click.echo(f"  {mark} {c.selector}: {c.annotated_layers}/{c.planned_layers} layer(s) offloaded, "
