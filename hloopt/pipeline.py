@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from hloopt.devices import DeviceProfile
 from hloopt.errors import InfeasibleBudget, UserError
 from hloopt.ir import Instruction, Module, gc_paused
+from hloopt.passes.opcodes import VIEWS
 from hloopt.passes.residuals import under_checkpoint
 from hloopt.problem import Action, Candidate, Decisions, Instance, Problem, SimResult, Step
 
@@ -257,7 +258,7 @@ class StepMap:
 
 
 #: ``checkpoint_name``'s identity marker and the views a value passes through unchanged
-_MARKERS = frozenset({"reduce-precision", "copy", "bitcast", "reshape"})
+_MARKERS = VIEWS | {"reduce-precision", "copy"}
 
 
 def _through_markers(inst: Instruction) -> Instruction:
@@ -335,7 +336,6 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     smap = StepMap(first, count)
 
     groups = candidate_groups(residuals)
-    on_host = {id(r) for r in residuals if r.offloaded}
     for r in residuals:
         if r.offloaded:
             groups.setdefault(MOVED_PREFIX + relative_key(r.key), []).append(r)
@@ -369,7 +369,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                         stack_end = last_use
                     ins = Instance(per, produced, produced, max(fbu, produced), max(last_use, fbu, produced))
                     instances.append(ins)
-                    if id(r) in on_host:
+                    if r.offloaded:
                         continue
                     # The base leaves out the whole stack while XLA holds it (see the docstring).
                     contrib[min(stack_start, ins.produced)] += ins.bytes
@@ -382,10 +382,10 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                 last_use = max(smap.last(last), fbu)
                 ins = Instance(nbytes, produced, max(lfu, produced), max(fbu, produced), max(last_use, produced))
                 instances.append(ins)
-                if id(r) not in on_host:
+                if not r.offloaded:
                     contrib[ins.produced] += ins.bytes
                     contrib[ins.last_use + 1] -= ins.bytes
-            if id(r) in on_host:
+            if r.offloaded:
                 continue
             keep = _stack_keep_s(an, r)
             remat_s += recompute_s[id(r)] * max(r.layers, 1) - keep
@@ -517,6 +517,17 @@ def judge_other_anchors(tgt: Any, problem: Problem, plan_obj: Any, profile: Devi
     return rows
 
 
+def _beating(rows: Sequence[tuple[str, LoweredJudgment]], budget_bytes: int,
+             among: frozenset[str] | None = None) -> tuple[str, LoweredJudgment] | None:
+    """Of the judged rows after the plan's (the first), the one (of ``among``, when given) that
+    fits the budget with fewer FLOPs than the plan and a step no longer than the plan's, the
+    shortest step first; None when none does."""
+    ours = rows[0][1]
+    better = [(code, r) for code, r in rows[1:] if (among is None or code in among) and r.peak_bytes <= budget_bytes
+              and r.flops < ours.flops * (1 - 1e-3) and r.step_time_s <= ours.step_time_s]
+    return min(better, key=lambda cr: (cr[1].step_time_s, cr[1].flops)) if better else None
+
+
 def judged_notes_of(plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
                     budget_bytes: int) -> tuple[str, ...]:
     """What the lowered steps' judgment (:func:`judge_other_anchors`, the plan's row first) says
@@ -535,10 +546,9 @@ def judged_notes_of(plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
         notes.append(f"the step lowered with the plan moves {format_bytes(ours.host_bytes)} to host memory where the "
                      f"plan counts {format_bytes(planned)}: predicted {format_seconds(ours.step_time_s)} as lowered, "
                      f"{format_seconds(plan_obj.predicted.step_time_s)} as planned (hloopt verify names the values)")
-    better = [(code, r) for code, r in rows[1:] if r.peak_bytes <= budget_bytes and r.flops < ours.flops * (1 - 1e-3)
-              and r.step_time_s <= ours.step_time_s]
-    if better:
-        code, r = min(better, key=lambda cr: (cr[1].step_time_s, cr[1].flops))
+    best = _beating(rows, budget_bytes)
+    if best is not None:
+        code, r = best
         notes.append(f"{code} fits the budget with {r.flops / 1e9:.4g} GFLOP (the plan: {ours.flops / 1e9:.4g}) and is "
                      f"predicted {format_seconds(r.step_time_s)} as lowered (the plan: "
                      f"{format_seconds(ours.step_time_s)}), moving {format_bytes(r.host_bytes)} to host memory: it "
@@ -569,11 +579,10 @@ def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[st
         return None
     ours = rows[0][1]
     by_code = {builtin_code(n): n for n in OFFLOADING_BUILTINS}
-    fit = [(by_code[code], r) for code, r in rows[1:] if code in by_code and r.peak_bytes <= budget_bytes
-           and r.flops < ours.flops * (1 - 1e-3) and r.step_time_s <= ours.step_time_s]
-    if not fit:
+    best = _beating(rows, budget_bytes, among=frozenset(by_code))
+    if best is None:
         return None
-    name, r = min(fit, key=lambda nr: (nr[1].step_time_s, nr[1].flops))
+    name, r = by_code[best[0]], best[1]
     anchor = next(a for a in ANCHORS if a.name == name)
     acts = anchor.decisions(problem)
     res = simulate(problem, acts)
@@ -1618,14 +1627,13 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         if judge == "flops" and budget_bytes is not None:
             with progress("judging the offloading policies and MaxText presets (re-lowering with each)"):
                 judged_rows = judge_other_anchors(tgt, searched, plan_obj, profile, platform=platform)
-            judged_notes = judged_notes_of(plan_obj, judged_rows, budget_bytes)
             adopted = _offloading_builtin(searched, plan_obj, judged_rows, budget_bytes, build)
-            if adopted is not None:
+            if adopted is None:
+                judged_notes = judged_notes_of(plan_obj, judged_rows, budget_bytes)
+            else:
                 plan_obj, decisions, result, choice_note = adopted
                 settle_note = policy_note = None
-                judged_rows = [("hloopt's searched rules" if i == 0 else label, r)
-                               for i, (label, r) in enumerate(judged_rows)]
-                judged_notes = ()
+                judged_rows = [("hloopt's searched rules", judged_rows[0][1]), *judged_rows[1:]]
     if on_the_model:
         with progress("analyzing the step as written"):
             as_written = _as_written_on_the_model(tgt)

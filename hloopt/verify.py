@@ -235,16 +235,14 @@ def verify(target: Any, plan: Plan | str, *, compile: str | None = None) -> Veri
     defined = checkpoint_names(t)
     modeled, warnings = _second_opinion(whole_text, plan)
 
-    remaining: Counter[str] = Counter()
-    for a in whole:
-        remaining[a.shape] += a.count
-    checks: list[DecisionCheck] = []
-    problems: list[str] = []
     # A plan that is a JAX built-in policy emits that policy, whatever its decisions (the built-in's
     # replay on the all-saved step) say: what it offloads is the plan's, checked as a whole below.
     per_decision = plan.of("offload") if plan.builtin is None else ()
-    if plan.builtin is not None:
-        remaining.clear()
+    remaining: Counter[str] = Counter()
+    for a in whole if plan.builtin is None else ():
+        remaining[a.shape] += a.count
+    checks: list[DecisionCheck] = []
+    problems: list[str] = []
     for d in per_decision:
         alone = offload_annotations(
             lower(t, platform="tpu", policy=policy(dataclasses.replace(plan, decisions=(d,)))).hlo_text)

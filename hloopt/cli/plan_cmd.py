@@ -234,9 +234,11 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
             j.add_column(col, justify="left" if col == "policy" else "right")
         for name, r in o.judged_rows:  # type: ignore[attr-defined]
             fits = "" if budget is None else (" (fits)" if r.peak_bytes <= budget else " (over)")
-            is_plan = p.builtin is not None and name == builtin_code(p.builtin)
-            j.add_row(f"[bold]{name}[/bold]" + (" (the plan)" if is_plan else "") if name == "hloopt plan" or is_plan
-                      else name, format_bytes(r.peak_bytes) + fits,
+            if p.builtin is not None and name == builtin_code(p.builtin):
+                label = f"[bold]{name}[/bold] (the plan)"
+            else:
+                label = f"[bold]{name}[/bold]" if name == "hloopt plan" else name
+            j.add_row(label, format_bytes(r.peak_bytes) + fits,
                       f"{r.flops / 1e9:.4g}", format_bytes(r.host_bytes) if r.host_bytes else "-",
                       format_seconds(r.step_time_s))
         console.print(j)  # type: ignore[attr-defined]
