@@ -339,7 +339,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     for r in residuals:
         if r.offloaded:
             groups.setdefault(MOVED_PREFIX + relative_key(r.key), []).append(r)
-    recompute_s = _recompute_seconds(an, [r for r in residuals if not r.offloaded])
+    recompute_s, recompute_flops = _recompute_costs(an, [r for r in residuals if not r.offloaded])
 
     import numpy as np
 
@@ -350,7 +350,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
     for key in sorted(groups, key=lambda k: (-sum(r.bytes for r in groups[k]), k)):
         rs = groups[key]
         instances: list[Instance] = []
-        remat_s = keep_s = 0.0
+        remat_s = keep_s = remat_flops = 0.0
         for r in rs:
             if r.stacked:
                 per = _stack_layer_bytes(an, r)
@@ -389,6 +389,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
                 continue
             keep = _stack_keep_s(an, r)
             remat_s += recompute_s[id(r)] * max(r.layers, 1) - keep
+            remat_flops += recompute_flops[id(r)] * max(r.layers, 1)
             keep_s += keep
         r0 = rs[0]
         if key.startswith(MOVED_PREFIX):
@@ -417,7 +418,7 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
         candidates.append(Candidate(
             key=key, name=name, selector=selector, instances=tuple(instances), allowed=allowed,
-            remat_s=remat_s, keep_s=keep_s, source=_op_source(an, r0), shape=_instance_shape(r0),
+            remat_s=remat_s, keep_s=keep_s, remat_flops=remat_flops, source=_op_source(an, r0), shape=_instance_shape(r0),
             remat_fused=Action.REMAT in allowed and all(
                 r.layers <= 1 and _recomputed_op(r.producer).opcode in FUSIBLE for r in rs),
             in_loop=all(r.stacked and r.backward_loop is not None for r in rs),
@@ -518,13 +519,16 @@ def judge_other_anchors(tgt: Any, problem: Problem, plan_obj: Any, profile: Devi
 
 
 def _beating(rows: Sequence[tuple[str, LoweredJudgment]], budget_bytes: int,
-             among: frozenset[str] | None = None) -> tuple[str, LoweredJudgment] | None:
+             among: frozenset[str] | None = None, *, objective: str = "time") -> tuple[str, LoweredJudgment] | None:
     """Of the judged rows after the plan's (the first), the one (of ``among``, when given) that
-    fits the budget with fewer FLOPs than the plan and a step no longer than the plan's, the
-    shortest step first; None when none does."""
+    fits the budget with fewer FLOPs than the plan and, for the ``"time"`` objective, a step no
+    longer than the plan's: the shortest step first (``"flops"``: the fewest FLOPs first); None
+    when none does."""
     ours = rows[0][1]
     better = [(code, r) for code, r in rows[1:] if (among is None or code in among) and r.peak_bytes <= budget_bytes
-              and r.flops < ours.flops * (1 - 1e-3) and r.step_time_s <= ours.step_time_s]
+              and r.flops < ours.flops * (1 - 1e-3) and (objective == "flops" or r.step_time_s <= ours.step_time_s)]
+    if objective == "flops":
+        return min(better, key=lambda cr: (cr[1].flops, cr[1].step_time_s)) if better else None
     return min(better, key=lambda cr: (cr[1].step_time_s, cr[1].flops)) if better else None
 
 
@@ -546,7 +550,7 @@ def judged_notes_of(plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
         notes.append(f"the step lowered with the plan moves {format_bytes(ours.host_bytes)} to host memory where the "
                      f"plan counts {format_bytes(planned)}: predicted {format_seconds(ours.step_time_s)} as lowered, "
                      f"{format_seconds(plan_obj.predicted.step_time_s)} as planned (hloopt verify names the values)")
-    best = _beating(rows, budget_bytes)
+    best = _beating(rows, budget_bytes, objective=plan_obj.objective)
     if best is not None:
         code, r = best
         notes.append(f"{code} fits the budget with {r.flops / 1e9:.4g} GFLOP (the plan: {ours.flops / 1e9:.4g}) and is "
@@ -563,7 +567,8 @@ def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[st
     OFFLOADING_BUILTINS`) to take instead of the plan, or None.
 
     One is taken where, both lowered and judged (:func:`judge_lowered`, the plan's row first), it
-    fits the budget with fewer FLOPs than the plan and a step no longer than the plan's. Such a
+    fits the budget with fewer FLOPs than the plan and (for the plan's ``"time"`` objective) a step
+    no longer than the plan's. Such a
     policy keeps values the all-saved step never keeps (a projection's output before the rotary
     embedding that reads it), which no rule hloopt searches can select. The plan's predicted
     figures are the judgment's; its decisions are the built-in's replay on the all-saved step."""
@@ -579,7 +584,7 @@ def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[st
         return None
     ours = rows[0][1]
     by_code = {builtin_code(n): n for n in OFFLOADING_BUILTINS}
-    best = _beating(rows, budget_bytes, among=frozenset(by_code))
+    best = _beating(rows, budget_bytes, among=frozenset(by_code), objective=plan_obj.objective)
     if best is None:
         return None
     name, r = by_code[best[0]], best[1]
@@ -974,9 +979,9 @@ _RECOMPUTE_SOURCES = frozenset({"parameter", "constant", "iota", "while", "call"
                                 "custom-call", "rng-get-and-update-state"})
 
 
-def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, float]:
-    """Modeled seconds (one execution: a scanned residual's per layer) of what recomputing each
-    residual re-runs, by ``id`` of the residual.
+def _recompute_costs(an: Analyzed, residuals: Sequence[Any]) -> tuple[dict[int, float], dict[int, float]]:
+    """Modeled seconds and FLOPs (one execution: a scanned residual's per layer) of what
+    recomputing each residual re-runs, by ``id`` of the residual.
 
     JAX's rematerialization re-runs the forward ops between a value and what the backward pass
     has: the checkpoint's inputs and the values the policy saves. Its producer alone is not that:
@@ -1040,12 +1045,19 @@ def _recompute_seconds(an: Analyzed, residuals: Sequence[Any]) -> dict[int, floa
         cones[id(r)] = cone
         for inst in cone:
             shared[inst] = shared.get(inst, 0) + 1
-    return {id(r): sum(_seconds(an, inst) / shared[inst] for inst in cones[id(r)]) for r in residuals}
+    seconds = {id(r): sum(_seconds(an, inst) / shared[inst] for inst in cones[id(r)]) for r in residuals}
+    flops = {id(r): sum(_flops(an, inst) / shared[inst] for inst in cones[id(r)]) for r in residuals}
+    return seconds, flops
 
 
 def _seconds(an: Analyzed, inst: Instruction) -> float:
     """The cost model's seconds for one execution of ``inst`` (0 for what it does not time)."""
     return an.cost.seconds(inst) if inst.name in an.cost.per_instruction else 0.0
+
+
+def _flops(an: Analyzed, inst: Instruction) -> float:
+    """The cost model's FLOPs for one execution of ``inst`` (0 for what it does not count)."""
+    return an.cost.of(inst).flops if inst.name in an.cost.per_instruction else 0.0
 
 
 def _stack_keep_s(an: Analyzed, r: Any) -> float:
@@ -1275,14 +1287,18 @@ def run_anchors(problem: Problem) -> list[AnchorResult]:
 def _reason(c: Candidate, action: Action, problem: Problem) -> str:
     from hloopt.units import format_seconds
 
+    flops_objective = problem.notes.get("objective") == "flops"
     if action == Action.OFFLOAD:
         per = c.instances[0]
         move_s = problem.transfer_latency_s + per.bytes / max(problem.d2h_bytes_per_s, 1.0)
-        why = f"frees {c.bytes} B between forward and backward; each move {format_seconds(move_s)}"
+        why = f"frees {c.bytes} B between forward and backward; each move {format_seconds(move_s)}" + (
+            " (objective flops: no FLOPs)" if flops_objective else "")
         if f"eager:{c.key}" in problem.notes:
             why += f" ({problem.notes[f'eager:{c.key}']})"
         return why
     if action == Action.REMAT:
+        if flops_objective and c.state is None:
+            return f"recomputing it re-runs {c.remat_flops / 1e9:.4g} GFLOP (objective flops)"
         if c.remat_s < 0:
             return f"recomputing it is {format_seconds(-c.remat_s)} faster than keeping its stack"
         return f"recompute costs {format_seconds(c.remat_s)}, cheaper than moving it"
@@ -1347,7 +1363,34 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
             for p in pareto),
         state=tuple(state), host_budget_bytes=host_budget_bytes if state else None,
         host_peak_bytes=max(result.host_timeline_bytes, default=0) if state else None,
+        objective=problem.notes.get("objective", "time"),
     )
+
+
+def for_objective(problem: Problem, objective: str, profile: DeviceProfile | None = None) -> Problem:
+    """``problem`` as the search should see it for ``objective`` (:data:`hloopt.plan.OBJECTIVES`).
+
+    ``"time"``: as built, the step time with every wait on the link. ``"flops"``: the fewest
+    recomputed FLOPs that fit. The search then weighs no wait on the link
+    (``Problem.stall_weight`` 0) and counts each recomputation by its FLOPs
+    (``Candidate.remat_flops`` at the profile's bf16 peak: seconds at the chip's peak, so the
+    objective stays in the simulator's units) rather than by the roofline, which charges
+    element-wise ops memory traffic XLA's fusion removes and credits recomputation with the stack
+    writes and reads keeping a scanned value costs. The link keeps its rates: a copy still holds
+    its device bytes until it is done, and a reload is on device early enough, so the memory a
+    plan needs is counted as for ``"time"`` (with an instant link the count fell 20% short of
+    libtpu on a plan moving 856 MiB). The argument groups (``--state``) keep their costs. The
+    objective is noted in ``problem.notes`` and the plan records it."""
+    if objective == "time":
+        return problem
+    if objective != "flops":
+        raise UserError(f"unknown objective {objective!r}: expected 'time' or 'flops'")
+    rate = profile.flops_per_s("bf16") if profile is not None else 1e12
+    candidates = tuple(c if c.state is not None else
+                       dataclasses.replace(c, remat_s=c.remat_flops / rate, keep_s=0.0, host_compute_s=0.0)
+                       for c in problem.candidates)
+    return dataclasses.replace(problem, candidates=candidates, stall_weight=0.0,
+                               notes={**problem.notes, "objective": objective})
 
 
 def _state_reason(c: Candidate, action: Action, problem: Problem) -> str:
@@ -1506,13 +1549,18 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
          max_slowdown: float | None = None, pareto: bool = False, platform: str | None = None,
          compile: str | None = None, solver: str = "auto", time_limit_s: float = 10.0,
          size: str | None = None, progress: Progress = _no_progress, state: bool = False,
-         host_budget: str | None = None, host: str | None = None, judge: str = "flops") -> PlanOutcome:
+         host_budget: str | None = None, host: str | None = None, judge: str = "flops",
+         objective: str = "time") -> PlanOutcome:
     """Run the whole pipeline on a TARGET (see the module docstring).
 
     ``judge``: how the searched plan and JAX's built-in policies are compared once each is lowered
     (:func:`_fewer_flops_builtin`): ``"flops"`` (the memory model's peak, FLOPs as lowered) or
     ``"compiled"`` (each compiled by libtpu for the profile's TPU: its peak, and the roofline time
     of the module libtpu compiled).
+
+    ``objective``: what the search minimises (:func:`for_objective`): ``"time"``, the step time
+    with every transfer timed; ``"flops"``, recomputation alone (transfers hidden), where a policy
+    judged as lowered replaces the plan when it fits with fewer FLOPs whatever its transfers.
 
     ``state``: the step's argument groups it updates (parameters, optimizer state) are placed
     with the residuals, in one search, under ``budget`` on the device and ``host_budget`` on the
@@ -1544,8 +1592,13 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         from hloopt.hosts import DEFAULT_HOST
 
         host = DEFAULT_HOST
+    if objective not in ("time", "flops"):
+        raise UserError(f"unknown objective {objective!r}: expected 'time' or 'flops'")
+    if objective == "flops" and (budget is None or pareto):
+        raise UserError("--objective flops needs a --budget: it plans the fewest FLOPs that fit it")
     an, problem = analyze_target(tgt, profile, platform=platform, compile=compile, progress=progress,
                                  state=state, host_budget_bytes=host_budget_bytes, host=host)
+    problem = for_objective(problem, objective, profile)
     baseline = simulate(problem, Decisions.all_device())
     budget_bytes, mode = resolve_mode(budget, max_slowdown, pareto, baseline.peak_bytes)
     # the memory model checks the planned step (_settle_on_the_model) where it describes the device
@@ -1986,6 +2039,7 @@ def config_only_plan(outcome: PlanOutcome, names: Iterable[str]) -> Any | None:
                                          base_policy=jax.checkpoint_policies.save_only_these_names(*called))
         except UserError:
             return None
+        problem = for_objective(problem, p.objective, profile)
         baseline = None
     else:
         an, problem, baseline = outcome.analyzed, outcome.problem, outcome.baseline

@@ -10,8 +10,15 @@ a frozen dataclass tree with one JSON form:
                     "source", "values"}, ...],
      "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null,
      "state": [{"group", "placement", "bytes", "reason", "role"}, ...], "host_budget_bytes": N,
-     "host_peak_bytes": N, "builtin": "dots_saveable"}
+     "host_peak_bytes": N, "builtin": "dots_saveable", "objective": "flops"}
                                             (the last two only when argument groups were planned)
+
+``objective`` (only where not ``"time"``): what the search minimised (:data:`OBJECTIVES`).
+``"time"``, the default, is the step time with every transfer over the host link timed;
+``"flops"`` is the recomputation alone, counted in FLOPs, with no weight on the step's waits for
+the link (a link fast enough never to stall the step, or a user who wants the fewest FLOPs that
+fit); memory is counted with the link's rates either way, and the predicted step time includes
+the waits.
 
 ``builtin`` (only where set): the plan is that JAX built-in policy (one of
 :data:`BUILTIN_POLICIES` or :data:`OFFLOADING_BUILTINS`, ``jax.checkpoint_policies.<builtin>``),
@@ -58,6 +65,8 @@ SCHEMA_PREFIX = "hloopt.plan/"
 SCHEMA = f"{SCHEMA_PREFIX}{SCHEMA_VERSION}"
 ACTIONS: tuple[str, ...] = ("device", "offload", "remat")
 MODES: tuple[str, ...] = ("budget", "max-slowdown", "pareto")
+#: What a search minimises (module docstring): the step time, or the recomputation alone
+OBJECTIVES: tuple[str, ...] = ("time", "flops")
 SELECTOR_KINDS: tuple[str, ...] = ("name", "primitive")
 #: JAX built-in policies that move nothing to host memory, which a plan can be (``Plan.builtin``)
 BUILTIN_POLICIES: tuple[str, ...] = ("dots_saveable", "dots_with_no_batch_dims_saveable", "nothing_saveable")
@@ -246,6 +255,8 @@ class Plan:
     host_peak_bytes: int | None = None
     #: the JAX built-in policy the plan is (module docstring), or None: its decisions' rules
     builtin: str | None = None
+    #: what the search minimised (:data:`OBJECTIVES`, module docstring)
+    objective: str = "time"
 
     @property
     def host_groups(self) -> list[str]:
@@ -304,6 +315,7 @@ class Plan:
                 "host_peak_bytes": self.host_peak_bytes}
                if self.state else {}),
             **({"builtin": self.builtin} if self.builtin else {}),
+            **({"objective": self.objective} if self.objective != "time" else {}),
         }
 
     def to_json(self) -> str:
@@ -556,7 +568,8 @@ def _parse_plan(data: Any, origin: str) -> Plan:
                     bounds=bounds, solver=solver, pareto=pareto, schema=SCHEMA, state=tuple(state),
                     host_budget_bytes=host_budget, host_peak_bytes=host_peak,
                     builtin=r.one_of("builtin", BUILTIN_POLICIES + OFFLOADING_BUILTINS)
-                    if "builtin" in r.obj else None)
+                    if "builtin" in r.obj else None,
+                    objective=r.one_of("objective", OBJECTIVES) if "objective" in r.obj else "time")
     except UserError as err:
         raise UserError(str(err).replace("<plan>", origin, 1)) from None
 
@@ -564,6 +577,8 @@ def _parse_plan(data: Any, origin: str) -> Plan:
 def _check_semantics(plan: Plan, origin: str) -> None:
     if plan.mode not in MODES:
         raise UserError(f"{origin}: mode: expected one of {', '.join(MODES)}, got {plan.mode!r}")
+    if plan.objective not in OBJECTIVES:
+        raise UserError(f"{origin}: objective: expected one of {', '.join(OBJECTIVES)}, got {plan.objective!r}")
     if plan.builtin is not None:
         known = BUILTIN_POLICIES + OFFLOADING_BUILTINS
         if plan.builtin not in known:

@@ -86,6 +86,9 @@ class Candidate:
     #: Extra compute seconds to recompute all instances (if REMAT is allowed), net of what keeping
     #: them costs the step as lowered (``keep_s``): negative where recomputing is cheaper than keeping.
     remat_s: float = 0.0
+    #: FLOPs recomputing all instances re-runs (the same cone ``remat_s`` times; the ``"flops"``
+    #: objective's cost of REMAT, :func:`hloopt.pipeline.for_objective`).
+    remat_flops: float = 0.0
     #: Seconds the step as lowered (every residual saved) spends keeping the instances in device
     #: memory for the backward pass: a scanned residual's stack write, the views before it and the
     #: backward's slice. A plan that recomputes them (counted in ``remat_s``) or offloads them
@@ -145,6 +148,11 @@ class Problem:
     #: A reload may start at most this many steps before its first backward use (None: any time
     #: after the offload finished).
     prefetch_window_steps: int | None = None
+    #: Weight of the step's waits on the link in what the search minimises
+    #: (:attr:`SimResult.objective_s`): 1 for the step time, 0 for recomputation alone (the
+    #: ``"flops"`` objective, :func:`hloopt.pipeline.for_objective`). The timeline, and so the
+    #: memory, counts every transfer at the link's rates either way.
+    stall_weight: float = 1.0
     #: Device name and anything else a report should show about the assumptions.
     device: str = ""
     notes: Mapping[str, str] = field(default_factory=dict)
@@ -201,3 +209,11 @@ class SimResult:
     #: Host bytes the plan holds at each step: an offloaded residual from the end of its copy out
     #: to its last read, an argument group in host memory (placed, or updated there) the whole step.
     host_timeline_bytes: Sequence[int] = ()
+    #: :attr:`Problem.stall_weight` of the problem replayed
+    stall_weight: float = 1.0
+
+    @property
+    def objective_s(self) -> float:
+        """What the search minimises: the step time with its waits on the link weighted by
+        :attr:`Problem.stall_weight` (the step time itself at weight 1)."""
+        return self.step_time_s - (1.0 - self.stall_weight) * self.exposed_transfer_s

@@ -81,8 +81,8 @@ def _best_of_anchors(problem: Problem, budget: int, plan: Plan | None) -> Plan:
     for anchor in ANCHORS:
         d = anchor.decisions(problem)
         sim = simulate(problem, d)
-        if sim.peak_bytes <= budget and (best is None or sim.step_time_s < best.step_time_s
-                                         or (sim.step_time_s == best.step_time_s
+        if sim.peak_bytes <= budget and (best is None or sim.objective_s < best.sim.objective_s
+                                         or (sim.objective_s == best.sim.objective_s
                                              and sim.peak_bytes < best.peak_bytes)):
             best = Plan(d, sim, f"anchor:{anchor.name}", optimal=False)
     if best is None:

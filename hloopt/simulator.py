@@ -514,4 +514,5 @@ def simulate(problem: Problem, decisions: Decisions) -> SimResult:
         transfers=tuple(transfers),
         step_start_s=S[:T].tolist(),
         host_timeline_bytes=host_timeline.tolist(),
+        stall_weight=problem.stall_weight,
     )

@@ -60,6 +60,14 @@ def test_a_builtin_plan_round_trips_and_plans_without_one_keep_their_bytes() -> 
     assert "builtin" not in json.loads(PLAN.to_json())
 
 
+def test_a_flops_objective_round_trips_and_time_plans_keep_their_bytes() -> None:
+    plan = make_plan((named("query_proj"),), objective="flops")
+    text = plan.to_json()
+    assert json.loads(text)["objective"] == "flops"
+    assert Plan.loads(text) == plan
+    assert "objective" not in json.loads(PLAN.to_json()) and Plan.loads(PLAN.to_json()).objective == "time"
+
+
 def test_text_is_deterministic_sorted_and_rounded() -> None:
     plan = make_plan(predicted=Predicted(peak_bytes=1, step_time_s=0.1 + 0.2, exposed_transfer_s=1 / 3,
                                          baseline_peak_bytes=1, baseline_step_time_s=0.0))
@@ -146,6 +154,7 @@ def _mutated(**changes: object) -> str:
     (_mutated(builtin="checkpoint_dots"),
      "builtin: expected one of dots_saveable, dots_with_no_batch_dims_saveable, nothing_saveable, "
      "offload_dot_with_no_batch_dims, got 'checkpoint_dots'"),
+    (_mutated(objective="speed"), "objective: expected one of time, flops, got 'speed'"),
     (_mutated(builtin="dots_saveable"),
      "builtin: dots_saveable offloads nothing, but decisions offload 'name:query_proj'"),
 ])

@@ -170,7 +170,8 @@ def test_planned_keys_fit_the_budget_with_no_more_flops_than_the_cheapest_preset
     activation-dominated), its MaxText keys applied to MaxText's config, the step compiled by
     libtpu: its peak is within the budget, and no MaxText preset compiled beside it that fits the
     budget needs fewer FLOPs (``cost_analysis``) without moving more bytes to host memory
-    (``host_temp_size``). Every figure is libtpu's, compiled in this run. The budget, 800 MiB,
+    (``host_temp_size``), nor is predicted faster; with ``--objective flops`` no preset that fits
+    needs fewer FLOPs at all. Every figure is libtpu's, compiled in this run. The budget, 800 MiB,
     lies between the presets' peaks (libtpu 0.0.50: full 577 MiB, save_dot_except_mlp 680 MiB,
     minimal 852 MiB)."""
     import time
@@ -234,6 +235,22 @@ def test_planned_keys_fit_the_budget_with_no_more_flops_than_the_cheapest_preset
     # and the plan recomputes less than every preset that fits and moves nothing to host
     on_device = [fl for fl, h in fitting.values() if h == 0]
     assert on_device and flops <= min(on_device) * (1 + 1e-6), report
+    # `hloopt plan --objective flops`: the fewest recomputed FLOPs that fit, waits on the link
+    # unweighed. Its MaxText keys, compiled the same way, fit the budget and need no more FLOPs
+    # than any preset that fits, those moving bytes to host memory included.
+    by_flops = pipeline.plan(resolve(str(THIRDPARTY / "maxtext_llama2.py") + ":mini"),
+                             profile=load_profile("tpu-v5e"), budget=str(budget), objective="flops")
+    least = by_flops.plan
+    if maxtext_unexpressible(least, [c.key for c in by_flops.problem.candidates
+                                     if any(a.value == "remat" for a in c.allowed)]):
+        least = pipeline.config_only_plan(by_flops, MAXTEXT_NAMES)
+        assert least is not None and least.objective == "flops"
+    least_fragment = yaml.safe_load(emit.maxtext_yaml(least, strict=False))
+    fpeak, fflops, fhost, _ = compiled(**least_fragment)
+    report += f"; --objective flops {least_fragment}: {fpeak} B, {fflops:.4g} FLOP, {fhost} B on host"
+    print(report)
+    assert fpeak <= budget, report
+    assert fflops <= min(fl for fl, _ in fitting.values()) * (1 + 1e-6), report
 
 
 def test_all_device_replay_is_analyzes_prediction_on_maxtext() -> None:

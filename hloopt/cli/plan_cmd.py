@@ -32,6 +32,10 @@ from hloopt.cli.params import Percent, check_output, device_options, libtpu_opti
               help="Compare the searched plan with JAX's built-in policies by FLOPs as lowered, or compile each "
                    "with libtpu for the TPU profile (one compile each) and take the least roofline time of "
                    "what it compiled among those within the budget.")
+@click.option("--objective", type=click.Choice(["time", "flops"]), default="time", show_default=True,
+              help="What the search minimises: the step time, every transfer to host memory timed at the link's "
+                   "rates; or the fewest recomputed FLOPs that fit, transfers counted as hidden behind compute "
+                   "(a link that never stalls the step).")
 @click.option("--out", "out_path", default=None, help="Write plan.json here.")
 @click.option("--emit", "emit_format", type=click.Choice(["python", "maxtext", "json"]), default="python",
               show_default=True, help="What to print after the tables.")
@@ -50,7 +54,7 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
          time_limit_s: float, platform: str | None, compile_target: str | None, size: str | None,
          out_path: str | None, emit_format: str, html_path: str | None, force: bool, as_json: bool,
          quiet: bool, plan_state: bool = False, host_budget: str | None = None, host_profile: str | None = None,
-         judge: str = "flops", **device_kw: object) -> int:
+         judge: str = "flops", objective: str = "time", **device_kw: object) -> int:
     """Plan what to offload (or recompute) so TARGET fits the budget at the least step time."""
     with user_errors():
         from hloopt import pipeline
@@ -79,7 +83,8 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
         outcome = pipeline.plan(target, profile=profile, budget=budget_spec, max_slowdown=max_slowdown,
                                 pareto=pareto, platform=platform, compile=compile_target, solver=solver,
                                 time_limit_s=time_limit_s, size=size, progress=prog, state=plan_state,
-                                host_budget=host_budget, host=host_profile, judge=judge)
+                                host_budget=host_budget, host=host_profile, judge=judge,
+                                objective=objective)
         text = outcome.plan.to_json()
         if out_path:
             from hloopt.fileio import write_text_atomic
@@ -249,6 +254,12 @@ def _print_outcome(outcome: object, console: object, *, limit: int = 12) -> None
         (f", gap {p.solver.gap:.2%}" if p.solver.gap is not None else "") + \
         (f", {p.solver.time_s:.2f} s)" if p.solver.time_s is not None else ")")
     console.print(line)  # type: ignore[attr-defined]
+    if p.objective == "flops":
+        timed = dict(o.judged_rows).get("hloopt plan")  # type: ignore[attr-defined]
+        console.print("objective flops: the search took the fewest recomputed FLOPs that fit, weighing no wait on "  # type: ignore[attr-defined]
+                      f"the link; the plan's step waits {format_seconds(pr.exposed_transfer_s)} on it as replayed"
+                      + (f", {format_seconds(timed.step_time_s)} per step lowered and judged" if timed is not None
+                         else ""), markup=False, highlight=False)
     if o.aim_bytes is not None:  # type: ignore[attr-defined]
         console.print(f"the replay counts more than the memory model with nothing saved here: policies are "  # type: ignore[attr-defined]
                       f"judged against {format_bytes(o.aim_bytes)} in its count, the budget moved by "  # type: ignore[attr-defined]

@@ -178,7 +178,8 @@ class Model:
         of them could look free, and be chosen, where it only adds FLOPs."""
         out = np.zeros((self.n_cands, 3))
         out[:, REM] = self.remat_s + self.keep_s
-        out[:, OFF] = np.bincount(self.inst_cand, weights=self.late_s, minlength=self.n_cands)
+        out[:, OFF] = self.problem.stall_weight * np.bincount(self.inst_cand, weights=self.late_s,
+                                                              minlength=self.n_cands)
         return out
 
     def step_time(self, choice: np.ndarray) -> float:
@@ -287,4 +288,6 @@ class LinkEval:
         tl += np.cumsum(diff[:-1])
         # as the replay times it: recomputation net of the stacks it spares, and offloads' spared stacks
         added = float(m.remat_s[choice == REM].sum()) - float(m.keep_s[choice == OFF].sum())
-        return LinkEval(tl, shift, m.compute_s + added + shift, off, d2h_end[off], plan_start[off], late[off])
+        # the stalls weighted as the search weighs them (Problem.stall_weight)
+        return LinkEval(tl, shift, m.compute_s + added + m.problem.stall_weight * shift, off, d2h_end[off],
+                        plan_start[off], late[off])

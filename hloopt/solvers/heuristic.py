@@ -143,7 +143,8 @@ def _cover(m: Model, choice: np.ndarray, target: np.ndarray, frozen: np.ndarray,
         gain[:, OFF] = np.bincount(m.inst_cand, weights=m.inst_bytes * off_cov, minlength=C)
         late_now = np.zeros(len(act))
         late_now[ev.off] = ev.late_s
-        cost[:, OFF] = np.bincount(m.inst_cand, weights=np.where(off_now, late_now, late), minlength=C)
+        cost[:, OFF] = m.problem.stall_weight * np.bincount(m.inst_cand, weights=np.where(off_now, late_now, late),
+                                                            minlength=C)
         first_end = np.full(C, np.inf)
         np.minimum.at(first_end, m.inst_cand, d2h_end)
         cur_gain = gain[cur, choice]
@@ -180,7 +181,7 @@ def _added(m: Model, choice: np.ndarray, ev: LinkEval) -> np.ndarray:
     """Seconds each chosen candidate adds (its remat, or its reloads' stalls)."""
     late: np.ndarray = np.zeros(m.n_cands)
     if len(ev.off):
-        late = np.bincount(m.inst_cand[ev.off], weights=ev.late_s, minlength=m.n_cands)
+        late = m.problem.stall_weight * np.bincount(m.inst_cand[ev.off], weights=ev.late_s, minlength=m.n_cands)
     return np.where(choice == REM, m.remat_s + m.keep_s, np.where(choice == OFF, late, 0.0))
 
 
@@ -282,7 +283,7 @@ def _improve(m: Model, choice: np.ndarray, target: np.ndarray, ev: LinkEval, dea
     """Step 3: forbid the offloads whose reloads stall most, while the step time drops."""
     frozen = np.zeros((m.n_cands, 2), dtype=bool)  # [offload forbidden, remat forbidden]
     for _ in range(_IMPROVE_TRIES):
-        if ev.stall_s <= 0 or time.perf_counter() > deadline_s:
+        if ev.stall_s <= 0 or m.problem.stall_weight <= 0 or time.perf_counter() > deadline_s:
             break
         late = np.bincount(m.inst_cand[ev.off], weights=ev.late_s, minlength=m.n_cands)
         late[frozen[:, 0]] = 0
@@ -345,7 +346,7 @@ def solve_heuristic(
         trial = choice.copy()
         _prune(m, trial, target)
         sim2 = simulate(problem, m.decisions_of(trial))
-        if sim2.peak_bytes <= budget_bytes and sim2.step_time_s <= sim.step_time_s:
+        if sim2.peak_bytes <= budget_bytes and sim2.objective_s <= sim.objective_s:
             choice, sim, dec = trial, sim2, m.decisions_of(trial)
         return HeuristicResult(dec, sim, choice, _ROUNDS + 1, time.perf_counter() - t0)
     raise HeuristicFailed(

@@ -404,7 +404,7 @@ def solve_milp(
     if incumbent is not None:
         sim_inc = simulate(problem, m.decisions_of(incumbent))
         if sim_inc.peak_bytes <= budget_bytes:
-            best = (sim_inc.step_time_s, incumbent.copy(), sim_inc, "incumbent")
+            best = (sim_inc.objective_s, incumbent.copy(), sim_inc, "incumbent")
     status, gap, obj, bound, optimal = "not run", math.inf, math.nan, math.nan, False
     nx = nrow = 0
     rounds = 0
@@ -446,8 +446,8 @@ def solve_milp(
         sim = simulate(problem, m.decisions_of(choice))
         optimal = ms == highspy.HighsModelStatus.kOptimal
         if sim.peak_bytes <= budget_bytes:
-            if best is None or sim.step_time_s <= best[0] + 1e-12:
-                best = (sim.step_time_s, choice, sim, "milp")
+            if best is None or sim.objective_s <= best[0] + 1e-12:
+                best = (sim.objective_s, choice, sim, "milp")
             break
         optimal = False
         # Repair: the heuristic's covering step (queues as the simulator runs them) completes
@@ -455,8 +455,8 @@ def solve_milp(
         try:
             rep = solve_heuristic(problem, budget_bytes=budget_bytes, model=m, start=choice,
                                   time_limit_s=max(0.1, min(_REPAIR_S, time_limit_s - (time.perf_counter() - t0))))
-            if best is None or rep.sim.step_time_s < best[0] - 1e-12:
-                best = (rep.sim.step_time_s, rep.choice, rep.sim, "milp+repair")
+            if best is None or rep.sim.objective_s < best[0] - 1e-12:
+                best = (rep.sim.objective_s, rep.choice, rep.sim, "milp+repair")
         except HeuristicFailed:
             pass
         # Replay cut: the model under-counts these steps by the replay's excess.
