@@ -418,7 +418,8 @@ def build_problem(an: Analyzed, profile: DeviceProfile, *,
         selector = f"checkpoint_name {name!r}" if name else f"{r0.primitive} at {r0.source_text or '?'}"
         candidates.append(Candidate(
             key=key, name=name, selector=selector, instances=tuple(instances), allowed=allowed,
-            remat_s=remat_s, keep_s=keep_s, remat_flops=remat_flops, source=_op_source(an, r0), shape=_instance_shape(r0),
+            remat_s=remat_s, keep_s=keep_s, remat_flops=remat_flops, source=_op_source(an, r0),
+            shape=_instance_shape(r0),
             remat_fused=Action.REMAT in allowed and all(
                 r.layers <= 1 and _recomputed_op(r.producer).opcode in FUSIBLE for r in rs),
             in_loop=all(r.stacked and r.backward_loop is not None for r in rs),
