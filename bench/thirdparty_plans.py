@@ -7,7 +7,9 @@ preset compiled the same way. Printed: the plan's predicted and compiled peak, w
 within the budget, whether the offloaded set is the planned one (``hloopt.verify``), its FLOPs
 (``cost_analysis()``), and the cheapest built-in policy that fits the budget on libtpu.
 
-    python bench/thirdparty_plans.py [--size tiny] [--steps levanter_llama,hf_bert] [--markdown]
+    python bench/thirdparty_plans.py [--size tiny] [--steps levanter_llama,hf_bert] [--objective flops]
+
+``--objective flops`` plans the fewest recomputed FLOPs that fit (``hloopt plan --objective``).
 
 A budget is written as hloopt plan takes it (``95%``) or ``mid``: halfway between the least peak
 any policy reaches and the all-saved peak (both from the plan's own bounds).
@@ -62,7 +64,7 @@ def target_of(step: str, size: str) -> Any:
     return resolve(path, size=size)
 
 
-def evaluate(step: str, size: str, budget: str, *, anchors: bool = True) -> Row:
+def evaluate(step: str, size: str, budget: str, *, anchors: bool = True, objective: str = "time") -> Row:
     """Plan ``step`` at ``budget``, apply and compile the plan and (with ``anchors``) each built-in
     policy with libtpu for v5e."""
     from hloopt import pipeline
@@ -80,7 +82,7 @@ def evaluate(step: str, size: str, budget: str, *, anchors: bool = True) -> Row:
         probe = pipeline.plan(target, profile=profile, max_slowdown=0.0, solver="heuristic")
         b = probe.plan.bounds.least_peak_bytes
         spec = str(int(b + 0.5 * (probe.plan.predicted.baseline_peak_bytes - b)))
-    outcome = pipeline.plan(target, profile=profile, budget=spec)
+    outcome = pipeline.plan(target, profile=profile, budget=spec, objective=objective)
     plan = outcome.plan
     v = verify(target, plan, compile="tpu-v5e")
     mem = dict(v.memory or {})
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="95%,mid")
     ap.add_argument("--no-anchors", action="store_true")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--objective", choices=("time", "flops"), default="time")
     a = ap.parse_args()
     from hloopt.units import format_bytes
 
@@ -122,7 +125,7 @@ def main() -> None:
             try:
                 importlib.import_module("transformers" if step.startswith("hf_") else "levanter") \
                     if not step.startswith("zoo:") else None
-                r = evaluate(step, a.size, budget, anchors=not a.no_anchors)
+                r = evaluate(step, a.size, budget, anchors=not a.no_anchors, objective=a.objective)
             except Exception as err:
                 print(f"| {step} | {budget} | {type(err).__name__}: {str(err).splitlines()[0][:120]} |")
                 continue
