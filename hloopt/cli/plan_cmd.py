@@ -63,6 +63,10 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
 
         if budget is not None:
             parse_budget(budget)  # a malformed budget is one line before any work
+        if objective == "flops" and (budget is None or pareto):
+            from hloopt.errors import UserError
+
+            raise UserError("--objective flops needs a --budget: it plans the fewest FLOPs that fit it")
         if host_budget is not None:
             from hloopt.units import parse_bytes
 

@@ -455,3 +455,11 @@ def test_judging_by_libtpu_compiles_needs_a_tpu_profile() -> None:
     line = one_error_line(["plan", "fixtures/zoo/mlp.py:tiny", "--device", "h200", "--budget", "90%",
                            "--judge", "compiled"])
     assert "--judge compiled" in line and "'h200'" in line, line
+
+
+def test_the_flops_objective_needs_a_budget() -> None:
+    """``--objective flops`` plans the fewest FLOPs that fit a budget: without one it is one line,
+    before the step is lowered."""
+    line = one_error_line(["plan", "fixtures/zoo/mlp.py:tiny", "--device", "tpu-v5e", "--max-slowdown", "5%",
+                           "--objective", "flops"])
+    assert "--objective flops needs a --budget" in line, line
