@@ -47,7 +47,10 @@
    on device, the replay can be below the analyzed timeline (never above it). The peak of a
    training step is at the start of the backward pass, where every layer is live and both agree.
 4. **Search** for the decisions (:mod:`hloopt.search`), judge them and every built-in policy with
-   the one simulator (:mod:`hloopt.simulator`), and write a :class:`~hloopt.plan.Plan`.
+   the one simulator (:mod:`hloopt.simulator`), and write a :class:`~hloopt.plan.Plan`. What the
+   search minimises is the plan's objective (:func:`for_objective`): the step time, or the
+   recomputed FLOPs with no weight on waiting for the link; the memory is counted the same way
+   for both.
 """
 
 from __future__ import annotations
