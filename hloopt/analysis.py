@@ -403,6 +403,18 @@ def prediction_notes(prof: MemoryProfile, settings: Mapping[str, Any]) -> list[s
         notes.append(f"the HBM peak assumes memory-space assignment holds {prof.on_chip_relief_bytes / 2**20:.0f} "
                      "MiB of the step's temporaries in VMEM there, the most it may; libtpu may evict more to "
                      "HBM (steps measured with an HBM peak: -7.0% to +6.6% of libtpu, docs/measurements.md)")
+    # libtpu's peak_memory_in_bytes is its fixed bytes plus whichever temporaries heap peaks
+    # highest, the host one included (passes/memory.py); the prediction models the device, so
+    # where the values offloaded to host memory outgrow the device's temporaries, libtpu's figure
+    # is the host heap's, above what the device holds (zoo Llama small with
+    # offload_dot_with_no_batch_dims: 1,638,111,744 B = arguments + outputs + its 285,212,672 B
+    # host heap + constants, exactly)
+    fixed = prof.argument_bytes + prof.output_bytes + prof.static_bytes + prof.code_bytes
+    if prof.host_bytes > prof.peak_bytes - fixed:
+        notes.append(f"the values offloaded to host memory ({prof.host_bytes / 2**20:.1f} MiB at once) outgrow the "
+                     f"device's temporaries ({(prof.peak_bytes - fixed) / 2**20:.1f} MiB at the peak): libtpu reports "
+                     f"its largest heap, so expect its peak_memory_in_bytes near {fixed + prof.host_bytes:,} B, above "
+                     "the device's need predicted here")
     eager = sum(1 for i in steps if offloaded_source(i) is not None)
     if eager:
         notes.append(f"{eager} value(s) offloaded outside a loop: libtpu copies them back right after "

@@ -17,7 +17,8 @@ How XLA counts, and the switches that reproduce it (measured on the zoo, see tes
   where a scan offloads a stack inside its loop larger than either (a user's own
   ``save_and_offload_only_these_names`` over 8 bf16 layers: 180,362,240 B, exact). That last case
   is read from compiled modules only: the prediction and the planner model the device (HBM and
-  VMEM), since host bytes are not what a budget of device memory limits. The VMEM figure replays
+  VMEM), since host bytes are not what a budget of device memory limits (``analyze`` notes where
+  the host heap would be libtpu's figure, :func:`hloopt.analysis.prediction_notes`). The VMEM figure replays
   memory-space assignment's heap trace, one allocation per value and no sharing, so a value a
   loop carries lives per value, and one written in place counts twice where it is written
   (:func:`on_chip_value_ranges`). Generated
