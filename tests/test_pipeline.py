@@ -327,7 +327,8 @@ def test_judged_with_everything_saved_is_the_plans_baseline() -> None:
 def test_judged_notes_name_the_plans_extra_bytes_and_a_policy_that_beats_it() -> None:
     """Hand-made judgments: the plan's step moves 30 B where its decisions count 20; of two other
     policies, the one within the budget with fewer FLOPs and no longer a step is named, the one
-    over the budget is not; a plan that moves what it counts and is not beaten gets no note."""
+    over the budget is not; a plan that moves what it counts and is not beaten gets no note, unless
+    it is a plan for the fewest FLOPs and the slower policy needs fewer."""
     from types import SimpleNamespace
 
     from hloopt.pipeline import LoweredJudgment, judged_notes_of
@@ -338,7 +339,7 @@ def test_judged_notes_name_the_plans_extra_bytes_and_a_policy_that_beats_it() ->
 
     offloads = (SimpleNamespace(bytes=20),)
     plan = SimpleNamespace(of=lambda action: offloads if action == "offload" else (),
-                           predicted=SimpleNamespace(step_time_s=0.009))
+                           predicted=SimpleNamespace(step_time_s=0.009), objective="time")
     rows = [("hloopt plan", judged(900, 0.010, 100e9, 30)),
             ("over the budget", judged(1100, 0.008, 80e9, 0)),
             ("offloading policy", judged(950, 0.0095, 90e9, 40))]
@@ -349,3 +350,7 @@ def test_judged_notes_name_the_plans_extra_bytes_and_a_policy_that_beats_it() ->
     assert "over the budget" not in notes[1]
     exact = [("hloopt plan", judged(900, 0.010, 100e9, 20)), ("slower", judged(950, 0.011, 90e9, 40))]
     assert judged_notes_of(plan, exact, budget_bytes=1000) == ()
+    # a plan for the fewest FLOPs is beaten by fewer FLOPs whatever the step time
+    least = SimpleNamespace(of=plan.of, predicted=plan.predicted, objective="flops")
+    beaten = judged_notes_of(least, exact, budget_bytes=1000)
+    assert len(beaten) == 1 and beaten[0].startswith("slower fits the budget with 90 GFLOP (the plan: 100)")
