@@ -432,7 +432,9 @@ def report_data_from_outcome(outcome: Any, *, top: int = 50) -> ReportData:
         assumptions={
             "target": f"{plan.target} ({an.source})",
             "plan": f"{plan.mode}" + (f", budget {plan.budget.spec}" if plan.budget else "")
-                    + f"; solver {plan.solver.name} ({plan.solver.status})",
+                    + f"; solver {plan.solver.name} ({plan.solver.status})"
+                    + ("; objective flops: the fewest recomputed FLOPs, no weight on waiting for the link"
+                       if plan.objective == "flops" else ""),
             "memory timeline": ("hloopt analyze's TPU prediction" if getattr(an, "memory", None) is not None
                                 else "liveness of the analyzed HLO")
                                + " per entry instruction; scanned layers that carry residuals expanded to one "
