@@ -529,11 +529,11 @@ def _beating(rows: Sequence[tuple[str, LoweredJudgment]], budget_bytes: int,
     longer than the plan's: the shortest step first (``"flops"``: the fewest FLOPs first); None
     when none does."""
     ours = rows[0][1]
+    by_flops = objective == "flops"
     better = [(code, r) for code, r in rows[1:] if (among is None or code in among) and r.peak_bytes <= budget_bytes
-              and r.flops < ours.flops * (1 - 1e-3) and (objective == "flops" or r.step_time_s <= ours.step_time_s)]
-    if objective == "flops":
-        return min(better, key=lambda cr: (cr[1].flops, cr[1].step_time_s)) if better else None
-    return min(better, key=lambda cr: (cr[1].step_time_s, cr[1].flops)) if better else None
+              and r.flops < ours.flops * (1 - 1e-3) and (by_flops or r.step_time_s <= ours.step_time_s)]
+    rank = (lambda r: (r.flops, r.step_time_s)) if by_flops else (lambda r: (r.step_time_s, r.flops))
+    return min(better, key=lambda cr: rank(cr[1])) if better else None
 
 
 def judged_notes_of(plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
@@ -572,9 +572,9 @@ def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[st
 
     One is taken where, both lowered and judged (:func:`judge_lowered`, the plan's row first), it
     fits the budget with fewer FLOPs than the plan and (for the plan's ``"time"`` objective) a step
-    no longer than the plan's. Such a
-    policy keeps values the all-saved step never keeps (a projection's output before the rotary
-    embedding that reads it), which no rule hloopt searches can select. The plan's predicted
+    no longer than the plan's. Such a policy keeps values the all-saved step never keeps (a
+    projection's output before the rotary embedding that reads it), which no rule hloopt searches
+    can select. The plan's predicted
     figures are the judgment's; its decisions are the built-in's replay on the all-saved step."""
     import dataclasses as dc
 
@@ -1371,6 +1371,17 @@ def make_plan(target_spec: str, an: Analyzed, problem: Problem, profile: DeviceP
     )
 
 
+def check_objective(objective: str, *, budgeted: bool = True) -> None:
+    """One line (a :class:`UserError`) for an objective ``plan`` cannot take: not one of
+    :data:`hloopt.plan.OBJECTIVES`, or ``"flops"`` without a budget (``budgeted``) to fit."""
+    from hloopt.plan import OBJECTIVES
+
+    if objective not in OBJECTIVES:
+        raise UserError(f"unknown objective {objective!r}: expected one of {', '.join(map(repr, OBJECTIVES))}")
+    if objective == "flops" and not budgeted:
+        raise UserError("--objective flops needs a --budget: it plans the fewest FLOPs that fit it")
+
+
 def for_objective(problem: Problem, objective: str, profile: DeviceProfile | None = None) -> Problem:
     """``problem`` as the search should see it for ``objective`` (:data:`hloopt.plan.OBJECTIVES`).
 
@@ -1385,10 +1396,9 @@ def for_objective(problem: Problem, objective: str, profile: DeviceProfile | Non
     plan needs is counted as for ``"time"`` (with an instant link the count fell 20% short of
     libtpu on a plan moving 856 MiB). The argument groups (``--state``) keep their costs. The
     objective is noted in ``problem.notes`` and the plan records it."""
+    check_objective(objective)
     if objective == "time":
         return problem
-    if objective != "flops":
-        raise UserError(f"unknown objective {objective!r}: expected 'time' or 'flops'")
     rate = profile.flops_per_s("bf16") if profile is not None else 1e12
     candidates = tuple(c if c.state is not None else
                        dataclasses.replace(c, remat_s=c.remat_flops / rate, keep_s=0.0, host_compute_s=0.0)
@@ -1563,8 +1573,9 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     of the module libtpu compiled).
 
     ``objective``: what the search minimises (:func:`for_objective`): ``"time"``, the step time
-    with every transfer timed; ``"flops"``, recomputation alone (transfers hidden), where a policy
-    judged as lowered replaces the plan when it fits with fewer FLOPs whatever its transfers.
+    with every transfer timed; ``"flops"``, recomputation alone (no weight on waiting for the link,
+    memory counted as for ``"time"``), where a policy judged as lowered replaces the plan when it
+    fits with fewer FLOPs whatever its transfers.
 
     ``state``: the step's argument groups it updates (parameters, optimizer state) are placed
     with the residuals, in one search, under ``budget`` on the device and ``host_budget`` on the
@@ -1596,10 +1607,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         from hloopt.hosts import DEFAULT_HOST
 
         host = DEFAULT_HOST
-    if objective not in ("time", "flops"):
-        raise UserError(f"unknown objective {objective!r}: expected 'time' or 'flops'")
-    if objective == "flops" and (budget is None or pareto):
-        raise UserError("--objective flops needs a --budget: it plans the fewest FLOPs that fit it")
+    check_objective(objective, budgeted=budget is not None and not pareto)
     an, problem = analyze_target(tgt, profile, platform=platform, compile=compile, progress=progress,
                                  state=state, host_budget_bytes=host_budget_bytes, host=host)
     problem = for_objective(problem, objective, profile)

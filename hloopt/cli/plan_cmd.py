@@ -34,8 +34,8 @@ from hloopt.cli.params import Percent, check_output, device_options, libtpu_opti
                    "what it compiled among those within the budget.")
 @click.option("--objective", type=click.Choice(["time", "flops"]), default="time", show_default=True,
               help="What the search minimises: the step time, every transfer to host memory timed at the link's "
-                   "rates; or the fewest recomputed FLOPs that fit, transfers counted as hidden behind compute "
-                   "(a link that never stalls the step).")
+                   "rates; or the fewest recomputed FLOPs that fit, no weight on waiting for the link (memory is "
+                   "counted at the link's rates either way).")
 @click.option("--out", "out_path", default=None, help="Write plan.json here.")
 @click.option("--emit", "emit_format", type=click.Choice(["python", "maxtext", "json"]), default="python",
               show_default=True, help="What to print after the tables.")
@@ -63,10 +63,7 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
 
         if budget is not None:
             parse_budget(budget)  # a malformed budget is one line before any work
-        if objective == "flops" and (budget is None or pareto):
-            from hloopt.errors import UserError
-
-            raise UserError("--objective flops needs a --budget: it plans the fewest FLOPs that fit it")
+        pipeline.check_objective(objective, budgeted=budget is not None and not pareto)
         if host_budget is not None:
             from hloopt.units import parse_bytes
 
