@@ -40,6 +40,14 @@ A move between device and host memory (:func:`~hloopt.passes.opcodes.is_host_tra
 bytes but takes no time here: it runs on the DMA engines beside the compute, at the host link's
 rate, and the simulator times it as a transfer.
 
+Fused kernels: a pre-optimization module has no fusions, and XLA fuses most of its element-wise
+ops into the kernels that read them, where they touch no HBM of their own. Given a model of that
+fusion (``fusion``, such as the TPU compiler model's ``TpuFusion()``), an instruction the model
+fuses away costs its FLOPs and no bytes, and one that keeps its value reads, in place of each
+fused-away operand, the materialized values that operand is computed from (each once per kernel,
+no more than the operand's size). The bytes then approach those of the kernels the compiler
+forms; without a model every instruction is a kernel of its own.
+
 ``efficiency`` is the profile's fitted share of the roofline that ops of the class reach
 (``compute_efficiency``, from ``hloopt calibrate --profile``; 1.0 where not fitted, as in every
 built-in profile).
@@ -60,7 +68,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar, Mapping
+from typing import Any, ClassVar, Mapping
 
 from hloopt.devices import DeviceProfile, load_profile
 from hloopt.errors import UserError
@@ -164,6 +172,17 @@ _DATA_MOVEMENT = frozenset({
     "copy", "copy-start", "copy-done", "transpose", "broadcast", "reshape", "slice", "dynamic-slice",
     "dynamic-update-slice", "concatenate", "pad", "gather", "scatter", "reverse", "iota", "tuple",
 })
+
+
+def _counts_operands(inst: Instruction, operand: Instruction) -> bool:
+    """Whether the byte rule of ``inst`` (:meth:`_Visitor._counts`) counts ``operand`` at its
+    full size: every rule but those that read only what they output or update."""
+    op = inst.opcode
+    if op in ("slice", "dynamic-slice", "gather", "tuple"):
+        return op == "dynamic-slice" and len(inst.operands) > 1 and inst.operands[1] is operand
+    if op in ("dynamic-update-slice", "scatter"):
+        return False
+    return True
 
 
 def op_class(inst: Instruction) -> str:
@@ -311,6 +330,11 @@ class CostAnalysis(Analysis[CostResult]):
     per_op_overhead_s: float = 0.0
     #: How a conditional combines its branches: "max" (XLA) or "mean".
     conditional: str = "max"
+    #: The target compiler's model of fusion for a pre-optimization module (an analysis whose
+    #: result has ``fused``: the instructions it fuses into their readers, such as
+    #: ``hloopt.passes.tpu.TpuFusion()``); None: every instruction is its own kernel, as in a
+    #: compiled module. See "Fused kernels" in the module docstring.
+    fusion: Analysis[Any] | None = None
     _profile_key: str = field(init=False, default="", repr=False)
 
     def __post_init__(self) -> None:
@@ -323,7 +347,10 @@ class CostAnalysis(Analysis[CostResult]):
         object.__setattr__(self, "_profile_key", json.dumps(prof.to_dict(), sort_keys=True, default=str))
 
     def run(self, module: Module, am: AnalysisManager | None = None) -> CostResult:
-        v = _Visitor(self)
+        fused: frozenset[Instruction] = frozenset()
+        if self.fusion is not None:
+            fused = (am or AnalysisManager(module)).get(self.fusion).fused
+        v = _Visitor(self, fused)
         entry = module.entry
         assert entry is not None, "a parsed module has an entry computation"
         full, xla = v.computation(entry)
@@ -332,8 +359,11 @@ class CostAnalysis(Analysis[CostResult]):
 
 
 class _Visitor:
-    def __init__(self, opts: CostAnalysis) -> None:
+    def __init__(self, opts: CostAnalysis, fused: frozenset[Instruction] = frozenset()) -> None:
         self.opts = opts
+        self.fused = fused
+        #: fused-away instruction -> the materialized values a kernel reading it reads, and bytes
+        self._frontier: dict[Instruction, dict[Instruction, int]] = {}
         self.profile: DeviceProfile = opts.profile  # type: ignore[assignment]
         self.records: dict[str, InstructionCost] = {}
         self.trips: dict[str, int | None] = {}
@@ -493,10 +523,56 @@ class _Visitor:
         elif op == "custom-call":
             # Unknown work (XLA reports -1); count its bytes so its time is not zero.
             pass
+        if self.fused:
+            nbytes = self._kernel_bytes(inst, nbytes)
         c = Cost(flops, trans, nbytes, coll)
         if is_host_transfer(inst):
             return c.with_seconds(0.0)  # the link's time, not the compute stream's (module docstring)
         return c.with_seconds(self._roofline(c, dtype, inst))
+
+    # -- fused kernels of a pre-optimization module ----------------------------------------------
+    def _kernel_bytes(self, inst: Instruction, nbytes: float) -> float:
+        """HBM bytes of ``inst`` where :attr:`fused` names what the compiler fuses: none for a
+        fused-away instruction (its kernel is its readers'); for one that keeps its value, what its
+        own rule counts with each fused-away operand's size replaced by the materialized values
+        that operand is computed from (each read once per kernel, no more than the operand's
+        size: a fused broadcast reads its small input, a fused slice its window)."""
+        if inst in self.fused:
+            return 0.0
+        fused_ops = [o for o in dict.fromkeys(inst.operands) if o in self.fused]
+        if not fused_ops:
+            return nbytes
+        reads: dict[Instruction, int] = {}
+        counted = 0
+        for o in fused_ops:
+            if _counts_operands(inst, o):
+                counted += _size(o.shape) * sum(1 for x in inst.operands if x is o)
+                for leaf, b in self._leaves(o).items():
+                    reads[leaf] = max(reads.get(leaf, 0), b)
+        direct = {o for o in inst.operands if o not in self.fused}  # the rule counts these already
+        return max(0.0, nbytes - counted + sum(b for leaf, b in reads.items() if leaf not in direct))
+
+    def _leaves(self, inst: Instruction) -> dict[Instruction, int]:
+        """Materialized values the fused-away ``inst`` is computed from, with the bytes read."""
+        hit = self._frontier.get(inst)
+        if hit is not None:
+            return hit
+        out: dict[Instruction, int] = {}
+        cap = _size(inst.shape)
+        stack: list[tuple[Instruction, int]] = [(o, cap) for o in inst.operands]
+        seen: set[Instruction] = set()
+        while stack:
+            o, limit = stack.pop()
+            if o in self.fused:
+                if o in seen:
+                    continue
+                seen.add(o)
+                lim = min(limit, _size(o.shape))
+                stack.extend((x, lim) for x in o.operands)
+                continue
+            out[o] = max(out.get(o, 0), min(limit, _size(o.shape)))
+        self._frontier[inst] = out
+        return out
 
     # -- fusion --------------------------------------------------------------------------------
     def _fusion(self, inst: Instruction) -> Cost:

@@ -288,3 +288,53 @@ def test_pre_optimization_module_matches_jax_lowered_cost_analysis(model):
     assert r.totals_xla.flops == pytest.approx(xla["flops"], rel=0.02)
     assert r.totals_xla.transcendentals == pytest.approx(xla["transcendentals"], rel=0.02)
     assert r.totals_xla.bytes_accessed == pytest.approx(xla["bytes accessed"], rel=0.10)
+
+
+def test_a_fusion_model_charges_hbm_bytes_per_kernel_it_forms():
+    """With the TPU fusion model, exp and add fuse into the reduce that reads them (one kernel):
+    the kernel reads x once and writes its 8 sums; the fused-away ops keep their FLOPs."""
+    from hloopt.passes.tpu import TpuFusion
+
+    text = entry("""
+  x = f32[8,16]{1,0} parameter(0)
+  e = f32[8,16]{1,0} exponential(x)
+  a = f32[8,16]{1,0} add(e, x)
+  z = f32[] constant(0)
+  s = f32[8]{0} reduce(a, z), dimensions={1}, to_apply=sum
+  ROOT n = f32[8]{0} negate(s)""", params="""
+sum {
+  p = f32[] parameter(0)
+  q = f32[] parameter(1)
+  ROOT r = f32[] add(p, q)
+}
+""")
+    plain, fused = cost(text), cost(text, fusion=TpuFusion())
+    assert (fused.of("e").bytes_accessed, fused.of("a").bytes_accessed) == (0, 0)
+    assert (fused.of("e").transcendentals, fused.of("a").flops) == (128, 128)
+    # the reduce reads x (512 B, once for both paths to it) and writes 8 floats; the scalar
+    # init value is a constant of the kernel
+    assert fused.of("s").bytes_accessed == 512 + 32
+    assert plain.of("s").bytes_accessed == 512 + 4 + 32  # the add's output and z read
+    # a value the module returns stays a kernel of its own (it has its own allocation)
+    assert fused.of("n").bytes_accessed == plain.of("n").bytes_accessed == 64
+    assert plain.totals.bytes_accessed == 2 * 512 + 3 * 512 + 548 + 64
+    assert fused.totals.bytes_accessed == 544 + 64
+    assert fused.totals.flops == plain.totals.flops
+
+
+def test_a_fused_broadcast_or_slice_reads_no_more_than_it_yields():
+    from hloopt.passes.tpu import TpuFusion
+
+    r = cost(entry("""
+  w = f32[16]{0} parameter(0)
+  big = f32[4096]{0} parameter(1)
+  b = f32[8,16]{1,0} broadcast(w), dimensions={1}
+  s = f32[128]{0} slice(big), slice={[0:128]}
+  r = f32[8,16]{1,0} reshape(s)
+  m = f32[8,16]{1,0} multiply(b, r)
+  d = f32[8,8]{1,0} dot(m, m), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT n = f32[8,8]{1,0} negate(d)"""), fusion=TpuFusion())
+    # the dot's kernel reads w (64 B) and the 128-float window of big (512 B) once, though it
+    # reads m twice, and writes 256 B
+    assert r.of("d").bytes_accessed == 64 + 512 + 256
+    assert r.of("m").bytes_accessed == r.of("s").bytes_accessed == r.of("b").bytes_accessed == 0
