@@ -1564,13 +1564,16 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
          compile: str | None = None, solver: str = "auto", time_limit_s: float = 10.0,
          size: str | None = None, progress: Progress = _no_progress, state: bool = False,
          host_budget: str | None = None, host: str | None = None, judge: str = "flops",
-         objective: str = "time") -> PlanOutcome:
+         objective: str = "time", measure_steps: int = 10) -> PlanOutcome:
     """Run the whole pipeline on a TARGET (see the module docstring).
 
     ``judge``: how the searched plan and JAX's built-in policies are compared once each is lowered
     (:func:`_fewer_flops_builtin`): ``"flops"`` (the memory model's peak, FLOPs as lowered) or
     ``"compiled"`` (each compiled by libtpu for the profile's TPU: its peak, and the roofline time
-    of the module libtpu compiled).
+    of the module libtpu compiled), or ``"measured"``: compared as ``"flops"`` compares them, then
+    the plan and every built-in policy and MaxText preset predicted within the budget run on this
+    machine's JAX device (which must be the profile's kind), ``measure_steps`` timed steps each,
+    and the fastest takes the plan's place (:func:`measured_choice`).
 
     ``objective``: what the search minimises (:func:`for_objective`): ``"time"``, the step time
     with every transfer timed; ``"flops"``, recomputation alone (no weight on waiting for the link,
@@ -1592,9 +1595,19 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
 
     if judge == "compiled":
         _compile_target_of(profile)  # a profile libtpu cannot compile for is one line before any work
+    elif judge == "measured":
+        measuring_device(profile)  # likewise a machine without the profile's device
+        if budget is None or pareto or state:
+            raise UserError("--judge measured times the policies that fit a budget: give --budget "
+                            "(not --pareto or --state)")
+        if measure_steps < 1:
+            raise UserError(f"measure_steps must be >= 1, got {measure_steps}")
     elif judge != "flops":
-        raise UserError(f"unknown judge {judge!r}: expected 'flops' or 'compiled'")
+        raise UserError(f"unknown judge {judge!r}: expected 'flops', 'compiled' or 'measured'")
+    model_judge = "flops" if judge == "measured" else judge  # how the model compares before measuring
     tgt = target if isinstance(target, Target) else resolve(target, size=size)
+    if judge == "measured" and tgt.kind != "jax":
+        raise UserError(f"{tgt.name}: --judge measured runs a JAX step (file.py:factory); an HLO file cannot be run")
     as_written = None
     host_budget_bytes = None
     if state:
@@ -1682,14 +1695,14 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
     judged_rows: list[tuple[str, LoweredJudgment]] = []
     judged_notes: tuple[str, ...] = ()
     if not hosted and on_the_model:
-        with progress("comparing built-in policies on the memory model (re-lowering with each)" if judge == "flops"
-                      else "compiling the plan and each built-in policy with libtpu"):
+        with progress("comparing built-in policies on the memory model (re-lowering with each)"
+                      if model_judge == "flops" else "compiling the plan and each built-in policy with libtpu"):
             plan_obj, decisions, result, choice_note, lowered_rows = _fewer_flops_builtin(
                 tgt, problem, plan_obj, decisions, result, budget_bytes, build, profile, platform=platform,
-                over=settle_note is not None, judge=judge)
+                over=settle_note is not None, judge=model_judge)
         if choice_note is not None:
             settle_note = policy_note = None  # the plan is a built-in policy now
-        if judge == "flops" and budget_bytes is not None:
+        if model_judge == "flops" and budget_bytes is not None:
             with progress("judging the offloading policies and MaxText presets (re-lowering with each)"):
                 judged_rows = judge_other_anchors(tgt, searched, plan_obj, profile, platform=platform)
             adopted = _offloading_builtin(searched, plan_obj, judged_rows, budget_bytes, build)
@@ -1699,6 +1712,18 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
                 plan_obj, decisions, result, choice_note = adopted
                 settle_note = policy_note = None
                 judged_rows = [("hloopt's searched rules", judged_rows[0][1]), *judged_rows[1:]]
+    if judge == "measured" and budget_bytes is not None:
+        from hloopt.measure import measure
+
+        measurement = measure(tgt, profile=profile, plan=plan_obj, policies="builtin", steps=measure_steps,
+                              warmup=2, progress=progress)
+        picked = measured_choice(searched, plan_obj, measurement, build)
+        if picked[3] is not None:
+            settle_note = policy_note = None
+            judged_notes = ()
+            plan_obj, decisions, result, choice_note = picked
+        else:
+            plan_obj = picked[0]
     if on_the_model:
         with progress("analyzing the step as written"):
             as_written = _as_written_on_the_model(tgt)
@@ -1895,6 +1920,77 @@ def _compile_target_of(profile: DeviceProfile) -> str:
                 return name
     raise UserError(f"--judge compiled compiles with libtpu for a TPU profile ({', '.join(TPU_TOPOLOGIES)}, or one "
                     f"calibrated from them); the profile is {profile.name!r}")
+
+
+def measuring_device(profile: DeviceProfile) -> Any:
+    """This machine's JAX device, which ``--judge measured`` runs steps on; a one-line
+    :class:`UserError` where it is not of the profile's kind (timings of a CPU would choose a
+    TPU's plan by the CPU's costs)."""
+    import jax
+
+    dev = jax.devices()[0]
+    want = {"tpu": ("tpu",), "gpu": ("gpu", "cuda", "rocm")}.get(profile.kind, (profile.kind,))
+    if str(dev.platform).lower() not in want:
+        raise UserError(f"--judge measured runs the step on this machine's JAX device, a {dev.platform} "
+                        f"({dev.device_kind}), not a {profile.kind} like the profile {profile.name}: run hloopt "
+                        "where that device is attached, or judge by --judge flops or compiled")
+    return dev
+
+
+def measured_choice(problem: Problem, plan_obj: Any, measurement: Any,
+                    build: Callable[[Problem, Decisions, SimResult], Any]) -> tuple[Any, Any, Any, str | None]:
+    """The plan as ``--judge measured`` leaves it, with what was measured (``Plan.measured``):
+    ``(plan, decisions, result, note)``; ``note`` None where the searched plan stays.
+
+    ``measurement`` (:func:`hloopt.measure.measure`) ran the plan and every built-in policy and
+    MaxText preset predicted within the budget on the device. The fastest row by median step time
+    takes the plan's place when it is faster than the plan beyond the plan's own spread: its median
+    below the plan's first quartile (a row within the plan's quartiles is noise, and the plan was
+    chosen on more than time). A JAX built-in is taken whole (``Plan.builtin``: the policy emitted
+    is the built-in); a MaxText preset by its replay's decisions on the all-saved step. Where the
+    plan's own step failed to run, the fastest row that ran is taken. The predicted figures become
+    those of the taken policy's step as lowered and judged (the measurement's prediction)."""
+    import dataclasses as dc
+
+    from hloopt.anchors import ANCHORS
+    from hloopt.plan import BUILTIN_POLICIES, OFFLOADING_BUILTINS, Measured, MeasuredRow
+    from hloopt.simulator import simulate
+    from hloopt.units import format_seconds
+
+    ran = [r for r in measurement.rows if r.measured is not None]
+    record = tuple(MeasuredRow(r.name, r.measured.median_s, r.measured.q1_s, r.measured.q3_s) for r in ran)
+
+    def with_record(p: Any, chosen: str) -> Any:
+        return dc.replace(p, measured=Measured(measurement.device_kind, measurement.platform, measurement.steps,
+                                               chosen, record))
+
+    ours = next((r for r in ran if r.kind == "plan"), None)
+    others = [r for r in ran if r.kind != "plan"]
+    best = min(others, key=lambda r: (r.measured.median_s, r.name), default=None)
+    take = best is not None and (ours is None or best.measured.median_s < ours.measured.q1_s)
+    if not take or best is None:
+        if ours is None:
+            raise UserError(f"--judge measured: no policy ran on the {measurement.device_kind} "
+                            f"({'; '.join(r.error or r.skipped or '' for r in measurement.rows)[:300]})")
+        return with_record(plan_obj, "plan"), None, None, None
+    anchor = next(a for a in ANCHORS if a.name == best.name)
+    acts = anchor.decisions(problem)
+    res = simulate(problem, acts)
+    alt = build(problem, acts, res)
+    builtin = best.name if best.kind == "jax" and best.name in BUILTIN_POLICIES + OFFLOADING_BUILTINS else None
+    verb = {"offload": "offloads", "remat": "recomputes"}
+    alt = dc.replace(alt, builtin=builtin, decisions=tuple(
+        dc.replace(d, reason=f"{anchor.code} {verb[d.action]} it") if d.action in verb else d
+        for d in alt.decisions),
+        predicted=dc.replace(alt.predicted, peak_bytes=best.predicted_peak_bytes,
+                             model_peak_bytes=best.predicted_peak_bytes, replay_peak_bytes=res.peak_bytes,
+                             step_time_s=best.predicted_step_time_s))
+    than = (f"the searched plan's {format_seconds(ours.measured.median_s)} (quartiles "
+            f"{format_seconds(ours.measured.q1_s)}-{format_seconds(ours.measured.q3_s)})" if ours is not None
+            else "the searched plan, which did not run")
+    note = (f"the plan is {anchor.code}: measured on the {measurement.device_kind} it ran "
+            f"{format_seconds(best.measured.median_s)} per step (median of {measurement.steps}), faster than {than}")
+    return with_record(alt, best.name), acts, res, note
 
 
 def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,

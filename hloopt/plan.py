@@ -10,7 +10,7 @@ a frozen dataclass tree with one JSON form:
                     "source", "values"}, ...],
      "predicted": {...}, "bounds": {...}, "solver": {...}, "pareto": [...] | null,
      "state": [{"group", "placement", "bytes", "reason", "role"}, ...], "host_budget_bytes": N,
-     "host_peak_bytes": N, "builtin": "dots_saveable", "objective": "flops"}
+     "host_peak_bytes": N, "builtin": "dots_saveable", "objective": "flops", "measured": {...}}
                                             (the last two only when argument groups were planned)
 
 ``objective`` (only where not ``"time"``): what the search minimised (:data:`OBJECTIVES`).
@@ -20,10 +20,16 @@ the link (a link fast enough never to stall the step, or a user who wants the fe
 fit); memory is counted with the link's rates either way, and the predicted step time includes
 the waits.
 
+``measured`` (only with ``hloopt plan --judge measured``): the device the plan's policy and each
+built-in policy and preset predicted within the budget ran on (``device_kind``, ``platform``),
+``steps`` timed per policy, ``rows`` (``name``, ``median_s``, ``q1_s``, ``q3_s``: seconds per step)
+and ``chosen``, the row the plan is. Such a plan holds timings, so two runs write different bytes.
+
 ``builtin`` (only where set): the plan is that JAX built-in policy (one of
 :data:`BUILTIN_POLICIES` or :data:`OFFLOADING_BUILTINS`, ``jax.checkpoint_policies.<builtin>``),
 chosen because it fits the budget with fewer FLOPs than the searched rules (an offloading one:
-and no longer a step, both lowered and judged; :func:`hloopt.pipeline.plan`); its decisions say
+and no longer a step, both lowered and judged; :func:`hloopt.pipeline.plan`), or, with
+``--judge measured``, because it ran faster on the device; its decisions say
 what its replay does to each residual of the all-saved step, and the policy emitted is the
 built-in itself.
 
@@ -56,7 +62,7 @@ from typing import Any
 from hloopt.errors import UserError
 
 __all__ = [
-    "ACTIONS", "Bounds", "Budget", "Decision", "MODES", "ParetoPoint", "Plan", "Predicted",
+    "ACTIONS", "Bounds", "Budget", "Decision", "MODES", "Measured", "MeasuredRow", "ParetoPoint", "Plan", "Predicted",
     "SCHEMA", "SCHEMA_VERSION", "Selector", "SolverInfo", "StateDecision",
 ]
 
@@ -231,6 +237,31 @@ class ParetoPoint:
 
 
 @dataclass(frozen=True)
+class MeasuredRow:
+    """One policy timed on the device (``hloopt plan --judge measured``): seconds per step."""
+
+    #: ``plan`` (the searched rules) or the built-in policy's or preset's name
+    name: str
+    median_s: float
+    q1_s: float
+    q3_s: float
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What ``--judge measured`` ran on the device and took (module docstring)."""
+
+    #: ``jax.Device.device_kind`` and platform the steps ran on
+    device_kind: str
+    platform: str
+    #: timed samples per policy
+    steps: int
+    #: the row the plan is: ``plan``, or the built-in that replaced the searched rules
+    chosen: str
+    rows: tuple[MeasuredRow, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     """A plan (see the module docstring for the file format)."""
 
@@ -257,6 +288,8 @@ class Plan:
     builtin: str | None = None
     #: what the search minimised (:data:`OBJECTIVES`, module docstring)
     objective: str = "time"
+    #: the policies timed on the device and the one taken (``--judge measured``), or None
+    measured: Measured | None = None
 
     @property
     def host_groups(self) -> list[str]:
@@ -316,6 +349,10 @@ class Plan:
                if self.state else {}),
             **({"builtin": self.builtin} if self.builtin else {}),
             **({"objective": self.objective} if self.objective != "time" else {}),
+            **({"measured": {"device_kind": self.measured.device_kind, "platform": self.measured.platform,
+                             "steps": self.measured.steps, "chosen": self.measured.chosen,
+                             "rows": [dataclasses.asdict(r) for r in self.measured.rows]}}
+               if self.measured is not None else {}),
         }
 
     def to_json(self) -> str:
@@ -560,6 +597,18 @@ def _parse_plan(data: Any, origin: str) -> Plan:
                                    bytes=sr.int("bytes"), reason=sr.str("reason", default=""),
                                    role=sr.one_of("role", ("parameters", "optimizer")) if "role" in sr.obj
                                    else "parameters"))
+    measured = None
+    if "measured" in r.obj:
+        mr = r.obj_("measured")
+        rows = []
+        for i, row in enumerate(mr.list("rows")):
+            rr = _Reader(origin, f"measured.rows[{i}]", row)
+            rows.append(MeasuredRow(name=rr.str("name"), median_s=rr.num("median_s"), q1_s=rr.num("q1_s"),
+                                    q3_s=rr.num("q3_s")))
+        measured = Measured(device_kind=mr.str("device_kind"), platform=mr.str("platform"),
+                            steps=mr.int("steps", minimum=1), chosen=mr.str("chosen"), rows=tuple(rows))
+        if measured.chosen not in {x.name for x in rows}:
+            raise mr.error(f"chosen {measured.chosen!r} is none of the measured rows", "measured.chosen")
     host_budget = r.int("host_budget_bytes", nullable=True) if "host_budget_bytes" in r.obj else None
     host_peak = r.int("host_peak_bytes", nullable=True) if "host_peak_bytes" in r.obj else None
     try:
@@ -569,7 +618,8 @@ def _parse_plan(data: Any, origin: str) -> Plan:
                     host_budget_bytes=host_budget, host_peak_bytes=host_peak,
                     builtin=r.one_of("builtin", BUILTIN_POLICIES + OFFLOADING_BUILTINS)
                     if "builtin" in r.obj else None,
-                    objective=r.one_of("objective", OBJECTIVES) if "objective" in r.obj else "time")
+                    objective=r.one_of("objective", OBJECTIVES) if "objective" in r.obj else "time",
+                    measured=measured)
     except UserError as err:
         raise UserError(str(err).replace("<plan>", origin, 1)) from None
 

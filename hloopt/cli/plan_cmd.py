@@ -28,10 +28,14 @@ from hloopt.cli.params import Percent, check_output, device_options, libtpu_opti
 @click.option("--compile", "compile_target", default=None,
               help="Plan on the compiler's scheduled HLO (cpu, tpu-v5e, ...) instead of the lowered one.")
 @click.option("--size", default=None, help="Size passed to a zoo factory (tiny, small, large).")
-@click.option("--judge", type=click.Choice(["flops", "compiled"]), default="flops", show_default=True,
-              help="Compare the searched plan with JAX's built-in policies by FLOPs as lowered, or compile each "
+@click.option("--judge", type=click.Choice(["flops", "compiled", "measured"]), default="flops", show_default=True,
+              help="Compare the searched plan with JAX's built-in policies by FLOPs as lowered; or compile each "
                    "with libtpu for the TPU profile (one compile each) and take the least roofline time of "
-                   "what it compiled among those within the budget.")
+                   "what it compiled among those within the budget; or (measured, with --budget, on a machine "
+                   "with the profile's device) also run the plan and each built-in policy and MaxText preset "
+                   "predicted within the budget on that device and take the fastest.")
+@click.option("--measure-steps", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Timed steps per policy with --judge measured.")
 @click.option("--objective", type=click.Choice(["time", "flops"]), default="time", show_default=True,
               help="What the search minimises: the step time, every transfer to host memory timed at the link's "
                    "rates; or the fewest recomputed FLOPs that fit, no weight on waiting for the link (memory is "
@@ -54,7 +58,7 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
          time_limit_s: float, platform: str | None, compile_target: str | None, size: str | None,
          out_path: str | None, emit_format: str, html_path: str | None, force: bool, as_json: bool,
          quiet: bool, plan_state: bool = False, host_budget: str | None = None, host_profile: str | None = None,
-         judge: str = "flops", objective: str = "time", **device_kw: object) -> int:
+         judge: str = "flops", objective: str = "time", measure_steps: int = 10, **device_kw: object) -> int:
     """Plan what to offload (or recompute) so TARGET fits the budget at the least step time."""
     with user_errors():
         from hloopt import pipeline
@@ -85,7 +89,7 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
                                 pareto=pareto, platform=platform, compile=compile_target, solver=solver,
                                 time_limit_s=time_limit_s, size=size, progress=prog, state=plan_state,
                                 host_budget=host_budget, host=host_profile, judge=judge,
-                                objective=objective)
+                                objective=objective, measure_steps=measure_steps)
         text = outcome.plan.to_json()
         if out_path:
             from hloopt.fileio import write_text_atomic
@@ -101,6 +105,8 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
             sys.stdout.write(text)
             return 0
         _print_outcome(outcome, console)
+        if outcome.plan.measured is not None:
+            _print_measured(outcome.plan, console)
         if outcome.plan.state:
             _print_state(outcome.plan, console, outcome.problem)
         if emit_format == "python":
@@ -117,6 +123,23 @@ def plan(target: str, budget: str | None, max_slowdown: float | None, pareto: bo
         if html_path:
             console.print(f"wrote {html_path}")
         return 0
+
+
+def _print_measured(plan: object, console: object) -> None:
+    """The policies ``--judge measured`` ran on the device, fastest first, and the one taken."""
+    from rich.table import Table
+
+    from hloopt.units import format_seconds
+
+    m = plan.measured  # type: ignore[attr-defined]
+    t = Table(title=f"Measured on the {m.device_kind} ({m.steps} timed steps each; the plan is the row marked *)",
+              title_justify="left")
+    for col in ("policy", "median", "quartiles"):
+        t.add_column(col, justify="left" if col == "policy" else "right")
+    for r in sorted(m.rows, key=lambda r: r.median_s):
+        t.add_row(("* " if r.name == m.chosen else "  ") + r.name, format_seconds(r.median_s),
+                  f"{format_seconds(r.q1_s)} - {format_seconds(r.q3_s)}")
+    console.print(t)  # type: ignore[attr-defined]
 
 
 def _print_state(plan: object, console: object, problem: object) -> None:

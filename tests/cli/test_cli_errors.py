@@ -463,3 +463,11 @@ def test_the_flops_objective_needs_a_budget() -> None:
     line = one_error_line(["plan", "fixtures/zoo/mlp.py:tiny", "--device", "tpu-v5e", "--max-slowdown", "5%",
                            "--objective", "flops"])
     assert "--objective flops needs a --budget" in line, line
+
+
+def test_judge_measured_refuses_a_device_other_than_the_profiles() -> None:
+    """``--judge measured`` times policies on this machine's JAX device (here the CPU): planning for
+    a TPU by a CPU's timings is one line naming both, before the step is lowered."""
+    line = one_error_line(["plan", "fixtures/zoo/mlp.py:tiny", "--device", "tpu-v5e", "--budget", "80%",
+                           "--judge", "measured"])
+    assert "--judge measured" in line and "cpu" in line and "tpu-v5e" in line, line
