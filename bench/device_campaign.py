@@ -4,7 +4,8 @@ For each zoo target at a budget below its all-saved peak (keeping every residual
 
 1. ``hloopt plan`` with the built-in device profile (``--device``: ``h200`` on CUDA, ``tpu-v5e`` on
    TPU by default), in a process kept off the accelerator (``JAX_PLATFORMS=cpu``: planning lowers
-   and never runs, and a TPU is held by one process at a time);
+   and never runs, and a TPU is held by one process at a time), except with ``--judge measured``,
+   whose plan runs its candidates on the device;
 2. ``hloopt measure --plan``: the plan and every built-in policy predicted within the budget, run
    on the device (median of ``--steps`` after warm-up), ``peak_bytes_in_use`` per policy;
 3. a ``jax.profiler.trace`` of the step as written (without XLA's command buffers), fitted per op
@@ -103,8 +104,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=400, help="seconds allowed to each plan and measurement")
     ap.add_argument("--dry-run", action="store_true", help="CPU backend, tiny sizes")
     ap.add_argument("--skip-before", action="store_true", help="only calibrate, plan and measure again")
-    ap.add_argument("--judge", choices=["flops", "compiled"], default="flops",
-                    help="plan's --judge: fewest FLOPs as lowered, or libtpu's compiled roofline (TPU profiles)")
+    ap.add_argument("--judge", choices=["flops", "compiled", "measured"], default="flops",
+                    help="plan's --judge: fewest FLOPs as lowered, libtpu's compiled roofline (TPU profiles), or "
+                         "the candidates run on the device (the plan then runs on it too)")
     a = ap.parse_args()
     device = a.device or {"cuda": "h200", "tpu": "tpu-v5e"}[a.platform]
     out = Path(a.out).resolve()
@@ -157,9 +159,10 @@ def main() -> int:
                     else:
                         break
                 plan = work / f"plan-{phase}.json"
+                # --judge measured runs the candidates on the device: that plan needs it
                 rc, text = sh(py + ["plan", target, *size_opt, *dev, "--budget", a.budget, "--judge", a.judge,
                                     "--out", str(plan), "-q"],
-                              log, off_device, a.timeout, out)
+                              log, env if a.judge == "measured" else off_device, a.timeout, out)
                 r[f"plan_{phase}"] = json.loads(plan.read_text()) if rc == 0 else {"rc": rc, "output": text[-3000:]}
                 if rc != 0:
                     continue
