@@ -1717,13 +1717,15 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
 
         measurement = measure(tgt, profile=profile, plan=plan_obj, policies="builtin", steps=measure_steps,
                               warmup=2, progress=progress)
-        picked = measured_choice(searched, plan_obj, measurement, build)
-        if picked[3] is not None:
+        taken, acts, res, note, advice = measured_choice(searched, plan_obj, measurement, build)
+        plan_obj = taken
+        if note is not None:
             settle_note = policy_note = None
             judged_notes = ()
-            plan_obj, decisions, result, choice_note = picked
-        else:
-            plan_obj = picked[0]
+            decisions, result, choice_note = acts, res, note
+        # what the measurement says of its own figures (host-bound rows time the host's dispatch)
+        judged_notes = (*judged_notes, *([advice] if advice else []),
+                        *(f"measured: {n}" for n in measurement.notes))
     if on_the_model:
         with progress("analyzing the step as written"):
             as_written = _as_written_on_the_model(tgt)
@@ -1938,18 +1940,23 @@ def measuring_device(profile: DeviceProfile) -> Any:
 
 
 def measured_choice(problem: Problem, plan_obj: Any, measurement: Any,
-                    build: Callable[[Problem, Decisions, SimResult], Any]) -> tuple[Any, Any, Any, str | None]:
+                    build: Callable[[Problem, Decisions, SimResult], Any]
+                    ) -> tuple[Any, Any, Any, str | None, str | None]:
     """The plan as ``--judge measured`` leaves it, with what was measured (``Plan.measured``):
-    ``(plan, decisions, result, note)``; ``note`` None where the searched plan stays.
+    ``(plan, decisions, result, note, advice)``; ``note`` None where the searched plan stays;
+    ``advice`` a line where a MaxText preset ran fastest.
 
     ``measurement`` (:func:`hloopt.measure.measure`) ran the plan and every built-in policy and
     MaxText preset predicted within the budget on the device. The fastest row by median step time
     takes the plan's place when it is faster than the plan beyond the plan's own spread: its median
     below the plan's first quartile (a row within the plan's quartiles is noise, and the plan was
-    chosen on more than time). A JAX built-in is taken whole (``Plan.builtin``: the policy emitted
-    is the built-in); a MaxText preset by its replay's decisions on the all-saved step. Where the
-    plan's own step failed to run, the fastest row that ran is taken. The predicted figures become
-    those of the taken policy's step as lowered and judged (the measurement's prediction)."""
+    chosen on more than time). Only a JAX built-in can take it (``Plan.builtin``: the policy emitted
+    is the built-in, the step that ran): a MaxText preset's names, replayed as decisions on the
+    all-saved step, lower to another step than the preset's (zoo Llama tiny: 3 offloaded values
+    where ``minimal_offloaded`` offloads 6), so a preset that ran fastest is ``advice`` (set it in
+    the config). Where the plan's own step failed to run, the fastest built-in that ran is taken.
+    The predicted figures become those of the taken policy's step as lowered and judged (the
+    measurement's prediction)."""
     import dataclasses as dc
 
     from hloopt.anchors import ANCHORS
@@ -1964,22 +1971,33 @@ def measured_choice(problem: Problem, plan_obj: Any, measurement: Any,
         return dc.replace(p, measured=Measured(measurement.device_kind, measurement.platform, measurement.steps,
                                                chosen, record))
 
+    def faster(r: Any) -> bool:  # than the plan, beyond its spread
+        return ours is None or r.measured.median_s < ours.measured.q1_s
+
+    def speed(r: Any) -> tuple[float, str]:
+        return (r.measured.median_s, r.name)
+
     ours = next((r for r in ran if r.kind == "plan"), None)
-    others = [r for r in ran if r.kind != "plan"]
-    best = min(others, key=lambda r: (r.measured.median_s, r.name), default=None)
-    take = best is not None and (ours is None or best.measured.median_s < ours.measured.q1_s)
-    if not take or best is None:
+    emitted = [r for r in ran if r.kind == "jax" and r.name in BUILTIN_POLICIES + OFFLOADING_BUILTINS]
+    best = min(emitted, key=speed, default=None)
+    fastest = min((r for r in ran if r.kind != "plan"), key=speed, default=None)
+    advice = None
+    if fastest is not None and fastest.kind == "maxtext" and faster(fastest) and \
+            (best is None or speed(fastest) < speed(best)):
+        advice = (f"MaxText's remat_policy: {fastest.name} ran {format_seconds(fastest.measured.median_s)} per "
+                  f"step on the {measurement.device_kind}, the fastest that fits: set it in the config (a policy "
+                  "hloopt emits from its names lowers to another step)")
+    if best is None or not faster(best):
         if ours is None:
-            raise UserError(f"--judge measured: no policy ran on the {measurement.device_kind} "
+            raise UserError(f"--judge measured: no policy hloopt can emit ran on the {measurement.device_kind} "
                             f"({'; '.join(r.error or r.skipped or '' for r in measurement.rows)[:300]})")
-        return with_record(plan_obj, "plan"), None, None, None
+        return with_record(plan_obj, "plan"), None, None, None, advice
     anchor = next(a for a in ANCHORS if a.name == best.name)
     acts = anchor.decisions(problem)
     res = simulate(problem, acts)
     alt = build(problem, acts, res)
-    builtin = best.name if best.kind == "jax" and best.name in BUILTIN_POLICIES + OFFLOADING_BUILTINS else None
     verb = {"offload": "offloads", "remat": "recomputes"}
-    alt = dc.replace(alt, builtin=builtin, decisions=tuple(
+    alt = dc.replace(alt, builtin=best.name, decisions=tuple(
         dc.replace(d, reason=f"{anchor.code} {verb[d.action]} it") if d.action in verb else d
         for d in alt.decisions),
         predicted=dc.replace(alt.predicted, peak_bytes=best.predicted_peak_bytes,
@@ -1990,7 +2008,7 @@ def measured_choice(problem: Problem, plan_obj: Any, measurement: Any,
             else "the searched plan, which did not run")
     note = (f"the plan is {anchor.code}: measured on the {measurement.device_kind} it ran "
             f"{format_seconds(best.measured.median_s)} per step (median of {measurement.steps}), faster than {than}")
-    return with_record(alt, best.name), acts, res, note
+    return with_record(alt, best.name), acts, res, note, advice
 
 
 def _fewer_flops_builtin(tgt: Any, problem: Problem, plan_obj: Any, decisions: Decisions, result: SimResult,

@@ -16,7 +16,7 @@ from hloopt import pipeline
 from hloopt.devices import load_profile
 from hloopt.emit import policy as plan_policy
 from hloopt.measure import Measurement, PolicyRow, StepTimes, measure
-from hloopt.plan import Plan
+from hloopt.plan import BUILTIN_POLICIES, OFFLOADING_BUILTINS, Plan
 from hloopt.targets import resolve
 
 V5E = load_profile("tpu-v5e")
@@ -49,9 +49,10 @@ def test_a_real_measurement_takes_the_fastest_row_beyond_the_plans_spread(planne
     m = measure(tgt, profile=V5E, plan=outcome.plan, steps=5, warmup=1)
     ran = [r for r in m.rows if r.measured is not None]
     assert any(r.kind == "plan" for r in ran) and len(ran) >= 3
-    p, acts, res, note = pipeline.measured_choice(outcome.problem, outcome.plan, m, build)
+    p, acts, res, note, _ = pipeline.measured_choice(outcome.problem, outcome.plan, m, build)
     ours = next(r for r in ran if r.kind == "plan")
-    best = min((r for r in ran if r.kind != "plan"), key=lambda r: (r.measured.median_s, r.name))
+    best = min((r for r in ran if r.kind == "jax" and r.name in BUILTIN_POLICIES + OFFLOADING_BUILTINS),
+               key=lambda r: (r.measured.median_s, r.name))
     expect = best.name if best.measured.median_s < ours.measured.q1_s else "plan"
     assert p.measured is not None and p.measured.chosen == expect
     assert {r.name for r in p.measured.rows} == {r.name for r in ran}
@@ -77,7 +78,7 @@ def test_a_builtin_clearly_faster_becomes_the_plan_and_is_emitted_whole(planned)
     _, outcome, build = planned
     rows = [_row("plan", "plan", (10.0, 10.2, 10.4, 10.6)), _row("dots_saveable", "jax", (8.0, 8.1, 8.2, 8.3)),
             _row("nothing_saveable", "jax", (9.0, 9.1, 9.2, 9.3))]
-    p, _, _, note = pipeline.measured_choice(outcome.problem, outcome.plan, _measurement(rows), build)
+    p, _, _, note, _ = pipeline.measured_choice(outcome.problem, outcome.plan, _measurement(rows), build)
     assert p.builtin == "dots_saveable" and p.measured.chosen == "dots_saveable"
     assert plan_policy(p) is jax.checkpoint_policies.dots_saveable
     assert p.predicted.peak_bytes == 1000 and p.predicted.step_time_s == 1e-3  # the row's own prediction
@@ -89,7 +90,7 @@ def test_a_builtin_within_the_plans_quartiles_leaves_the_plan(planned) -> None:
     _, outcome, build = planned
     # dots_saveable's median (10.15) is under the plan's (10.3) but not under its first quartile (10.15)
     rows = [_row("plan", "plan", (10.0, 10.2, 10.4, 10.6)), _row("dots_saveable", "jax", (10.1, 10.15, 10.2))]
-    p, acts, _, note = pipeline.measured_choice(outcome.problem, outcome.plan, _measurement(rows), build)
+    p, acts, _, note, _ = pipeline.measured_choice(outcome.problem, outcome.plan, _measurement(rows), build)
     assert note is None and acts is None
     assert p.measured.chosen == "plan" and p.decisions == outcome.plan.decisions and p.builtin == outcome.plan.builtin
 
@@ -99,9 +100,9 @@ def test_a_plan_that_did_not_run_gives_way_to_the_fastest_that_did(planned) -> N
     failed = PolicyRow(name="plan", kind="plan", code="plan", predicted_step_time_s=1e-3, predicted_peak_bytes=1,
                        error="RESOURCE_EXHAUSTED")
     rows = [failed, _row("nothing_saveable", "jax", (9.0, 9.1)), _row("dots_saveable", "jax", (9.5, 9.6))]
-    p, _, _, note = pipeline.measured_choice(outcome.problem, outcome.plan, _measurement(rows), build)
+    p, _, _, note, _ = pipeline.measured_choice(outcome.problem, outcome.plan, _measurement(rows), build)
     assert p.builtin == "nothing_saveable" and "did not run" in note
-    with pytest.raises(Exception, match="no policy ran"):
+    with pytest.raises(Exception, match="no policy hloopt can emit ran"):
         pipeline.measured_choice(outcome.problem, outcome.plan, _measurement([failed]), build)
 
 
@@ -117,3 +118,17 @@ def test_a_plan_file_whose_measured_choice_is_no_measured_row_is_refused(planned
     data["measured"]["rows"][0]["median_s"] = -1
     with pytest.raises(UserError, match=r"measured\.rows\[0\]\.median_s"):
         Plan.from_dict(data, origin="plan.json")
+
+
+def test_a_maxtext_preset_that_ran_fastest_is_advice_not_the_plan(planned) -> None:
+    """A preset's names replayed as decisions lower to another step than the preset's, so the plan
+    cannot be it: the fastest built-in JAX emits whole is taken, and the preset is named."""
+    _, outcome, build = planned
+    rows = [_row("plan", "plan", (10.0, 10.2, 10.4, 10.6)), _row("minimal_offloaded", "maxtext", (7.0, 7.1, 7.2)),
+            _row("nothing_saveable", "jax", (9.0, 9.1, 9.2))]
+    p, _, _, note, advice = pipeline.measured_choice(outcome.problem, outcome.plan, _measurement(rows), build)
+    assert p.builtin == "nothing_saveable" and "nothing_saveable" in note
+    assert advice is not None and "remat_policy: minimal_offloaded" in advice
+    # and none when a built-in JAX emits is at least as fast
+    rows[2] = _row("nothing_saveable", "jax", (6.0, 6.1, 6.2))
+    assert pipeline.measured_choice(outcome.problem, outcome.plan, _measurement(rows), build)[4] is None

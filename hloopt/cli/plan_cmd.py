@@ -33,7 +33,8 @@ from hloopt.cli.params import Percent, check_output, device_options, libtpu_opti
                    "with libtpu for the TPU profile (one compile each) and take the least roofline time of "
                    "what it compiled among those within the budget; or (measured, with --budget, on a machine "
                    "with the profile's device) also run the plan and each built-in policy and MaxText preset "
-                   "predicted within the budget on that device and take the fastest.")
+                   "predicted within the budget on that device and take the fastest JAX built-in (a faster MaxText "
+                   "preset is named in a note).")
 @click.option("--measure-steps", type=click.IntRange(min=1), default=10, show_default=True,
               help="Timed steps per policy with --judge measured.")
 @click.option("--objective", type=click.Choice(["time", "flops"]), default="time", show_default=True,
