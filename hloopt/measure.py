@@ -316,7 +316,7 @@ class _Candidate:
 def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: str = "builtin",
             steps: int = 10, warmup: int = 2, back_to_back: int | None = None, budget: str | None = None,
             seed: int = 0, compile: str | None = None,
-            progress: Callable[[str], Any] | None = None) -> Measurement:
+            progress: Callable[[str], Any] | None = None, analyzed: tuple[Any, Any] | None = None) -> Measurement:
     """Predict, then run and time, the plan's policy and the built-in ones (see the module docstring).
 
     ``target`` is a TARGET string or a resolved jax :class:`~hloopt.targets.Target`; ``plan`` a
@@ -326,7 +326,9 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     compiler's scheduled module, as ``hloopt plan --compile`` does. Each policy runs at least one
     untimed step (its memory is read after it), ``max(warmup, 1)`` in all. ``back_to_back``: calls
     queued per timed sample, see :func:`time_steps` (None: :func:`default_back_to_back` for the
-    device).
+    device). ``analyzed``: ``(analysis, problem)`` of ``target`` from
+    :func:`hloopt.pipeline.analyze_target` for the same profile, where the caller has it (``hloopt
+    plan --judge measured``), so that the step is not analyzed twice.
     """
     import contextlib
 
@@ -356,7 +358,7 @@ def measure(target: Any, *, profile: DeviceProfile, plan: Any = None, policies: 
     if policies == "none" and plan_obj is None:
         raise UserError("nothing to measure: --policies none needs --plan")
 
-    an, problem = analyze_target(tgt, profile, compile=compile, progress=prog)
+    an, problem = analyzed if analyzed is not None else analyze_target(tgt, profile, compile=compile, progress=prog)
     baseline = simulate(problem, Decisions.all_device())
     if budget is not None:
         budget_bytes = resolve_budget(budget, baseline.peak_bytes)

@@ -565,6 +565,32 @@ def judged_notes_of(plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
     return tuple(notes)
 
 
+def _builtin_plan(problem: Problem, name: str, build: Callable[[Problem, Decisions, SimResult], Any], *,
+                  peak_bytes: int, step_time_s: float, exposed_transfer_s: float | None = None
+                  ) -> tuple[Any, Any, Decisions, SimResult]:
+    """``(anchor, plan, decisions, result)`` of the JAX built-in ``name`` taking the plan's place
+    (``Plan.builtin``): its decisions are its replay on the all-saved ``problem`` (each reason
+    naming the built-in), its predicted figures those of the step lowered with it (``peak_bytes``,
+    ``step_time_s`` and, where judged, ``exposed_transfer_s``), the replay's peak beside them."""
+    import dataclasses as dc
+
+    from hloopt.anchors import ANCHORS
+    from hloopt.simulator import simulate
+
+    anchor = next(a for a in ANCHORS if a.name == name)
+    acts = anchor.decisions(problem)
+    res = simulate(problem, acts)
+    alt = build(problem, acts, res)
+    verb = {"offload": "offloads", "remat": "recomputes"}
+    exposed = {} if exposed_transfer_s is None else {"exposed_transfer_s": exposed_transfer_s}
+    alt = dc.replace(alt, builtin=name, decisions=tuple(
+        dc.replace(d, reason=f"{anchor.code} {verb[d.action]} it") if d.action in verb else d
+        for d in alt.decisions),
+        predicted=dc.replace(alt.predicted, peak_bytes=peak_bytes, model_peak_bytes=peak_bytes,
+                             replay_peak_bytes=res.peak_bytes, step_time_s=step_time_s, **exposed))
+    return anchor, alt, acts, res
+
+
 def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[str, LoweredJudgment]],
                         budget_bytes: int, build: Callable[[Problem, Decisions, SimResult], Any]) -> Any:
     """(plan, decisions, result, note) of the JAX offloading built-in (:data:`hloopt.plan.
@@ -576,12 +602,9 @@ def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[st
     projection's output before the rotary embedding that reads it), which no rule hloopt searches
     can select. The plan's predicted
     figures are the judgment's; its decisions are the built-in's replay on the all-saved step."""
-    import dataclasses as dc
 
-    from hloopt.anchors import ANCHORS
     from hloopt.emit import builtin_code
     from hloopt.plan import OFFLOADING_BUILTINS
-    from hloopt.simulator import simulate
     from hloopt.units import format_bytes, format_seconds
 
     if not rows or plan_obj.state:
@@ -592,17 +615,8 @@ def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[st
     if best is None:
         return None
     name, r = by_code[best[0]], best[1]
-    anchor = next(a for a in ANCHORS if a.name == name)
-    acts = anchor.decisions(problem)
-    res = simulate(problem, acts)
-    alt = build(problem, acts, res)
-    verb = {"offload": "offloads", "remat": "recomputes"}
-    alt = dc.replace(alt, builtin=name, decisions=tuple(
-        dc.replace(d, reason=f"{anchor.code} {verb[d.action]} it") if d.action in verb else d
-        for d in alt.decisions),
-        predicted=dc.replace(alt.predicted, peak_bytes=r.peak_bytes, model_peak_bytes=r.peak_bytes,
-                             replay_peak_bytes=res.peak_bytes, step_time_s=r.step_time_s,
-                             exposed_transfer_s=r.exposed_transfer_s))
+    anchor, alt, acts, res = _builtin_plan(problem, name, build, peak_bytes=r.peak_bytes,
+                                           step_time_s=r.step_time_s, exposed_transfer_s=r.exposed_transfer_s)
     note = (f"the plan is {anchor.code}: lowered and judged, it fits the budget with {r.flops / 1e9:.4g} GFLOP and "
             f"{format_seconds(r.step_time_s)} per step, moving {format_bytes(r.host_bytes)} to host memory, where "
             f"the plan hloopt searched needs {ours.flops / 1e9:.4g} GFLOP and {format_seconds(ours.step_time_s)} "
@@ -1621,9 +1635,9 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
 
         host = DEFAULT_HOST
     check_objective(objective, budgeted=budget is not None and not pareto)
-    an, problem = analyze_target(tgt, profile, platform=platform, compile=compile, progress=progress,
-                                 state=state, host_budget_bytes=host_budget_bytes, host=host)
-    problem = for_objective(problem, objective, profile)
+    an, analyzed_problem = analyze_target(tgt, profile, platform=platform, compile=compile, progress=progress,
+                                          state=state, host_budget_bytes=host_budget_bytes, host=host)
+    problem = for_objective(analyzed_problem, objective, profile)
     baseline = simulate(problem, Decisions.all_device())
     budget_bytes, mode = resolve_mode(budget, max_slowdown, pareto, baseline.peak_bytes)
     # the memory model checks the planned step (_settle_on_the_model) where it describes the device
@@ -1716,7 +1730,7 @@ def plan(target: str | Any, *, profile: DeviceProfile, budget: str | None = None
         from hloopt.measure import measure
 
         measurement = measure(tgt, profile=profile, plan=plan_obj, policies="builtin", steps=measure_steps,
-                              warmup=2, progress=progress)
+                              warmup=2, compile=compile, progress=progress, analyzed=(an, analyzed_problem))
         taken, acts, res, note, advice = measured_choice(searched, plan_obj, measurement, build)
         plan_obj = taken
         if note is not None:
@@ -1959,9 +1973,7 @@ def measured_choice(problem: Problem, plan_obj: Any, measurement: Any,
     measurement's prediction)."""
     import dataclasses as dc
 
-    from hloopt.anchors import ANCHORS
     from hloopt.plan import BUILTIN_POLICIES, OFFLOADING_BUILTINS, Measured, MeasuredRow
-    from hloopt.simulator import simulate
     from hloopt.units import format_seconds
 
     ran = [r for r in measurement.rows if r.measured is not None]
@@ -1992,17 +2004,8 @@ def measured_choice(problem: Problem, plan_obj: Any, measurement: Any,
             raise UserError(f"--judge measured: no policy hloopt can emit ran on the {measurement.device_kind} "
                             f"({'; '.join(r.error or r.skipped or '' for r in measurement.rows)[:300]})")
         return with_record(plan_obj, "plan"), None, None, None, advice
-    anchor = next(a for a in ANCHORS if a.name == best.name)
-    acts = anchor.decisions(problem)
-    res = simulate(problem, acts)
-    alt = build(problem, acts, res)
-    verb = {"offload": "offloads", "remat": "recomputes"}
-    alt = dc.replace(alt, builtin=best.name, decisions=tuple(
-        dc.replace(d, reason=f"{anchor.code} {verb[d.action]} it") if d.action in verb else d
-        for d in alt.decisions),
-        predicted=dc.replace(alt.predicted, peak_bytes=best.predicted_peak_bytes,
-                             model_peak_bytes=best.predicted_peak_bytes, replay_peak_bytes=res.peak_bytes,
-                             step_time_s=best.predicted_step_time_s))
+    anchor, alt, acts, res = _builtin_plan(problem, best.name, build, peak_bytes=best.predicted_peak_bytes,
+                                           step_time_s=best.predicted_step_time_s)
     than = (f"the searched plan's {format_seconds(ours.measured.median_s)} (quartiles "
             f"{format_seconds(ours.measured.q1_s)}-{format_seconds(ours.measured.q3_s)})" if ours is not None
             else "the searched plan, which did not run")

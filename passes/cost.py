@@ -174,15 +174,17 @@ _DATA_MOVEMENT = frozenset({
 })
 
 
+#: byte rules of :meth:`_Visitor._counts` that read only what they output or update, and the
+#: operand positions they still count at full size (a dynamic-slice's start index)
+_PARTIAL_READS: Mapping[str, tuple[int, ...]] = {
+    "slice": (), "dynamic-slice": (1,), "gather": (), "tuple": (), "dynamic-update-slice": (), "scatter": (),
+}
+
+
 def _counts_operands(inst: Instruction, operand: Instruction) -> bool:
-    """Whether the byte rule of ``inst`` (:meth:`_Visitor._counts`) counts ``operand`` at its
-    full size: every rule but those that read only what they output or update."""
-    op = inst.opcode
-    if op in ("slice", "dynamic-slice", "gather", "tuple"):
-        return op == "dynamic-slice" and len(inst.operands) > 1 and inst.operands[1] is operand
-    if op in ("dynamic-update-slice", "scatter"):
-        return False
-    return True
+    """Whether the byte rule of ``inst`` counts ``operand`` at its full size."""
+    whole = _PARTIAL_READS.get(inst.opcode)
+    return whole is None or any(k < len(inst.operands) and inst.operands[k] is operand for k in whole)
 
 
 def op_class(inst: Instruction) -> str:
