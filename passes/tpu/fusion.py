@@ -23,7 +23,9 @@ buffer takes: the :class:`FusionPlan` generic liveness takes
   not into each of its readers.
   Reductions, dots, convolutions, gathers/scatters, dynamic-(update-)slices, sorts, loops and
   calls are fusion roots: they hold their result, except a dynamic-slice read only by static
-  slices (:func:`is_sliced_window`), which XLA folds into them.
+  slices (:func:`is_sliced_window`), which XLA folds into them, and a matmul whose every reader
+  is a fused-away element-wise op (:func:`output_fusions`): libtpu computes it in one output
+  fusion with that element-wise chain and writes only the chain's end.
 * **Model inputs copied for convolutions** (:func:`convolution_input_copies`): a convolution reads
   its input with the contracted dimension tiled; an entry parameter read (through transposes)
   with that dimension elsewhere, an NCHW image, is copied once into the convolutions' layout.
@@ -178,6 +180,61 @@ def marked_matmuls(module: Module, fused: set[Instruction]) -> set[Instruction]:
                     and src.shape == inst.shape:
                 out.add(src)
     return out
+
+
+#: how far :func:`output_fusions` follows a matmul's fused element-wise readers
+_MAX_OUTPUT_CHAIN = 400
+
+
+def output_fusions(module: Module, fused: set[Instruction]) -> tuple[set[Instruction], set[Instruction]]:
+    """Matmuls libtpu computes inside an output fusion, and the values those fusions write.
+
+    A dot or convolution whose readers are all fused-away element-wise ops (a bias add, an
+    activation's derivative times the incoming gradient) is not written out: libtpu fuses the
+    chain of element-wise ops after it into one ``kOutput`` fusion with the matmul, which writes
+    the chain's end, the one value of the chain that a materialized instruction reads, and
+    computes the reductions reading that end in the same fusion as further outputs. In its
+    compiled module of a flax.nnx GELU MLP under ``nnx.remat`` (libtpu 0.0.42) the backward's
+    ``g @ W_down^T`` is such a matmul: ``fusion.918`` computes it, the GELU derivative and the
+    product, and outputs the bias gradient (a reduce) and the product, as bf16 since only matmuls
+    read it further (:func:`~hloopt.passes.tpu.storage.bf16_stored`'s ``multi_output``). The f32
+    matmul result the model materialized otherwise (64 MiB there) never exists.
+
+    A fusion holds one matmul: where several feed one chain end, the one defined last (the
+    matmul the chain follows; in the MLP's backward the recomputed up-projection ``h`` is
+    materialized and read by the fusion that computes ``g @ W_down^T``) is fused. Applied where
+    it was observed: the chain has one end, of the matmul's shape, read only by matmuls and
+    reductions. Returns ``(matmuls, ends)``: the matmuls to fuse away and the chain ends to
+    materialize.
+    """
+    by_end: dict[Instruction, Instruction] = {}
+    for comp in module.computations.values():
+        for d in comp.instructions:  # in definition order: a later matmul takes an end over
+
+            if d.opcode not in ("dot", "convolution") or d in fused or d.is_root or not d.users \
+                    or not d.shape.is_array or not all(u in fused for u in d.users):
+                continue
+            chain: set[Instruction] = set()
+            found: set[Instruction] = set()
+            todo, ok = [d], True
+            while todo and ok:
+                v = todo.pop()
+                for u in v.users:
+                    if u in fused:
+                        if u not in chain:
+                            chain.add(u)
+                            todo.append(u)
+                            ok = len(chain) <= _MAX_OUTPUT_CHAIN
+                    else:
+                        found.add(v)  # v is not d: d's users are all fused
+            if not ok or len(found) != 1:
+                continue
+            end = next(iter(found))
+            if end.shape.dims != d.shape.dims or end.is_root:
+                continue
+            if all(u in fused or u.opcode in ("dot", "convolution", "reduce") for u in end.users):
+                by_end[end] = d
+    return set(by_end.values()), set(by_end)
 
 
 def is_sliced_window(inst: Instruction) -> bool:
@@ -430,13 +487,15 @@ class TpuFusion(Analysis[FusionPlan]):
         copies = convolution_input_copies(module)
         fused -= copies.keys()
         fused -= cap_fusion_inputs(module, fused)
+        in_outputs, ends = output_fusions(module, fused)
+        fused = (fused | in_outputs) - ends
         fused |= marked_matmuls(module, fused)
-        narrowed = bf16_stored(module, fused)
+        narrowed = bf16_stored(module, fused, multi_output=frozenset(ends))
         return FusionPlan(module, frozenset(fused), propagate_shardings(module), self.alignment_bytes,
                           frozenset(narrowed), copies)
 
 
 __all__ = ["MAX_FUSION_INPUTS", "FusionPlan", "TpuFusion", "cap_fusion_inputs", "convolution_input_copies",
            "marked_matmuls",
-           "fused_instructions", "is_invariant_state_view", "is_one_hot_scatter", "is_sliced_window",
+           "fused_instructions", "is_invariant_state_view", "output_fusions", "is_one_hot_scatter", "is_sliced_window",
            "is_tiled_bitcast", "layout_boundaries"]

@@ -148,10 +148,14 @@ def _final_readers(inst: Instruction, limit: int = 64,
 _STORED_VIEWS = frozenset({"bitcast", "reshape", "slice", "transpose"})
 
 
-def bf16_stored(module: Module, fused: set[Instruction]) -> set[Instruction]:
+def bf16_stored(module: Module, fused: set[Instruction],
+                multi_output: frozenset[Instruction] = frozenset()) -> set[Instruction]:
     """Materialized f32 values XLA stores as bf16: every reader (through tuples, optimization
     barriers and the views in ``_STORED_VIEWS``) is an f32 dot/convolution at default precision
-    (:func:`is_bf16_matmul`).
+    (:func:`is_bf16_matmul`). A value in ``multi_output`` is written by a fusion that also
+    computes the reductions reading it (:func:`hloopt.passes.tpu.fusion.output_fusions`): those
+    read it inside the fusion, in f32, and are no readers of the buffer, but at least one matmul
+    must read it.
 
     A convert commutes with a reshape, slice or transpose, and XLA moves narrowing converts up
     through such ops (its ConvertMover pass) to the value itself: a fused q/k/v projection
@@ -173,6 +177,8 @@ def bf16_stored(module: Module, fused: set[Instruction]) -> set[Instruction]:
                 or inst.shape.element_type != "f32" or inst.shape.num_elements <= 1:
             continue  # forwarders and views carry their source's storage
         readers = _final_readers(inst, positions=positions, views=_STORED_VIEWS)
+        if readers and inst in multi_output:
+            readers = [r for r in readers if not (r.opcode == "reduce" and inst in r.operands)]
         if readers and all(is_bf16_matmul(r) for r in readers):
             out.add(inst)
     return out

@@ -87,3 +87,66 @@ def test_a_saved_matmul_and_its_precision_marker_are_one_buffer() -> None:
     plan = AnalysisManager(mod).get(TpuFusion())
     assert mod.entry["m"] not in plan.fused and mod.entry["h"] in plan.fused
     assert plan.value_bytes(mod.entry["h"]) == 0 and plan.value_bytes(mod.entry["m"]) == 256 * 1024 * 4
+
+
+#: an MLP layer's backward in miniature: ``d = g @ w^T`` (f32[256,512]) is read only by the
+#: element-wise chain ``e = d * tanh(h)`` (h a materialized matmul of its own), whose end ``e`` is
+#: read by two matmuls (the input and weight gradients) and the bias gradient's reduce. EXTRA
+#: adds a reader of ``e`` in the variants below.
+OUTPUT_FUSION = """HloModule out
+sum {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+ENTRY main {
+  g = f32[256,128] parameter(0)
+  w = f32[512,128] parameter(1)
+  x = f32[256,128] parameter(2)
+  v = f32[128,512] parameter(3)
+  h = f32[256,512] dot(x, v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  d = f32[256,512] dot(g, w), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  t = f32[256,512] tanh(h)
+  e = f32[256,512] multiply(d, t)
+  zero = f32[] constant(0)
+  db = f32[512] reduce(e, zero), dimensions={0}, to_apply=sum
+  dx = f32[256,128] dot(e, v), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  dw = f32[128,512] dot(x, e), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  EXTRA
+  ROOT r = (f32[512], READERS) tuple(db, OUTS)
+}
+"""
+
+
+@pytest.mark.parametrize("extra, in_output", [
+    # matmuls and the bias reduce read e: one of the two matmuls feeding the chain is computed in
+    # e's output fusion, e is written as bf16 (the reduce is that fusion's second output; only
+    # the matmuls read the buffer)
+    ("", True),
+    # e is also read by a negate the step returns: not the chain the rule was measured on
+    ("n = f32[256,512] negate(e)", False),
+])
+def test_a_matmul_read_only_by_an_element_wise_chain_is_computed_in_its_output_fusion(
+        extra: str, in_output: bool) -> None:
+    from hloopt.passes.tpu.fusion import output_fusions
+
+    readers, outs = ("f32[256,128], f32[128,512], f32[256,512]", "dx, dw, n") if extra else \
+        ("f32[256,128], f32[128,512]", "dx, dw")
+    mod = parse_module(OUTPUT_FUSION.replace("EXTRA", extra).replace("READERS", readers).replace("OUTS", outs))
+    e = mod.entry
+    fused = fused_instructions(mod)
+    # without the output fusion the model recomputes the chain in each of its readers, each
+    # reading d and h: both matmul results held, f32
+    assert e["e"] in fused and e["t"] in fused and e["d"] not in fused and e["h"] not in fused
+    matmuls, ends = output_fusions(mod, fused)
+    if not in_output:
+        assert (matmuls, ends) == (set(), set())
+        return
+    # one matmul per fusion: the one the chain follows (d, defined last); h keeps its buffer
+    assert matmuls == {e["d"]} and ends == {e["e"]}
+    plan = AnalysisManager(mod).get(TpuFusion())
+    assert e["d"] in plan.fused and e["e"] not in plan.fused and e["h"] not in plan.fused
+    assert plan.value_bytes(e["d"]) == 0
+    # 256 x 512 values of two bytes (bf16) where the model held two f32 matmul results
+    assert plan.value_bytes(e["e"]) == 256 * 512 * 2 and e["e"] in plan.narrowed
+    assert plan.value_bytes(e["h"]) == 256 * 512 * 4
