@@ -206,34 +206,39 @@ def output_fusions(module: Module, fused: set[Instruction]) -> tuple[set[Instruc
     it was observed: the chain has one end, of the matmul's shape, read only by matmuls and
     reductions. Returns ``(matmuls, ends)``: the matmuls to fuse away and the chain ends to
     materialize.
+
+    The entry computation only, where the rule was read off (unrolled layers) and where
+    :func:`~hloopt.passes.tpu.storage.bf16_stored` narrows. In a scan's body no compiled module
+    has shown it, and there it changes what the planner's replay of recomputed stacks counts
+    (a jax 0.12 scan recomputing its stacks no longer replays below the all-saved step by their
+    bytes: ``tests/test_one_accountant.py``).
     """
     by_end: dict[Instruction, Instruction] = {}
-    for comp in module.computations.values():
-        for d in comp.instructions:  # in definition order: a later matmul takes an end over
-
-            if d.opcode not in ("dot", "convolution") or d in fused or d.is_root or not d.users \
-                    or not d.shape.is_array or not all(u in fused for u in d.users):
-                continue
-            chain: set[Instruction] = set()
-            found: set[Instruction] = set()
-            todo, ok = [d], True
-            while todo and ok:
-                v = todo.pop()
-                for u in v.users:
-                    if u in fused:
-                        if u not in chain:
-                            chain.add(u)
-                            todo.append(u)
-                            ok = len(chain) <= _MAX_OUTPUT_CHAIN
-                    else:
-                        found.add(v)  # v is not d: d's users are all fused
-            if not ok or len(found) != 1:
-                continue
-            end = next(iter(found))
-            if end.shape.dims != d.shape.dims or end.is_root:
-                continue
-            if all(u in fused or u.opcode in ("dot", "convolution", "reduce") for u in end.users):
-                by_end[end] = d
+    for d in module.entry.instructions if module.entry is not None else ():  # definition order:
+        # a later matmul feeding the same end takes it over
+        if d.opcode not in ("dot", "convolution") or d in fused or d.is_root or not d.users \
+                or not d.shape.is_array or not all(u in fused for u in d.users):
+            continue
+        chain: set[Instruction] = set()
+        found: set[Instruction] = set()
+        todo, ok = [d], True
+        while todo and ok:
+            v = todo.pop()
+            for u in v.users:
+                if u in fused:
+                    if u not in chain:
+                        chain.add(u)
+                        todo.append(u)
+                        ok = len(chain) <= _MAX_OUTPUT_CHAIN
+                else:
+                    found.add(v)  # v is not d: d's users are all fused
+        if not ok or len(found) != 1:
+            continue
+        end = next(iter(found))
+        if end.shape.dims != d.shape.dims or end.is_root:
+            continue
+        if all(u in fused or u.opcode in ("dot", "convolution", "reduce") for u in end.users):
+            by_end[end] = d
     return set(by_end.values()), set(by_end)
 
 
