@@ -602,7 +602,6 @@ def _offloading_builtin(problem: Problem, plan_obj: Any, rows: Sequence[tuple[st
     projection's output before the rotary embedding that reads it), which no rule hloopt searches
     can select. The plan's predicted
     figures are the judgment's; its decisions are the built-in's replay on the all-saved step."""
-
     from hloopt.emit import builtin_code
     from hloopt.plan import OFFLOADING_BUILTINS
     from hloopt.units import format_bytes, format_seconds

@@ -501,6 +501,5 @@ class TpuFusion(Analysis[FusionPlan]):
 
 
 __all__ = ["MAX_FUSION_INPUTS", "FusionPlan", "TpuFusion", "cap_fusion_inputs", "convolution_input_copies",
-           "marked_matmuls",
-           "fused_instructions", "is_invariant_state_view", "output_fusions", "is_one_hot_scatter", "is_sliced_window",
-           "is_tiled_bitcast", "layout_boundaries"]
+           "fused_instructions", "is_invariant_state_view", "is_one_hot_scatter", "is_sliced_window",
+           "is_tiled_bitcast", "layout_boundaries", "marked_matmuls", "output_fusions"]
